@@ -1,0 +1,23 @@
+"""shardwise: fully sharded data parallel training for PyTorch."""
+
+from shardwise.api import clip_grad_norm_, no_sync, shard
+from shardwise.errors import ShardwiseError
+from shardwise.mixed_precision import MixedPrecision
+from shardwise.offload import CPUOffload
+from shardwise.state_dict import full_state_dict, load_full_state_dict
+from shardwise.strategy import Strategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "shard",
+    "no_sync",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "load_full_state_dict",
+    "MixedPrecision",
+    "CPUOffload",
+    "Strategy",
+    "ShardwiseError",
+    "__version__",
+]

@@ -1,0 +1,211 @@
+"""The public entry points: ``shard``, ``no_sync``, ``clip_grad_norm_``."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardwise import collectives, materialize
+from shardwise.errors import ShardwiseError
+from shardwise.flat_buffer import FlatGroup
+from shardwise.mixed_precision import MixedPrecision
+from shardwise.offload import CPUOffload
+from shardwise.plan import UnitsSpec, build_plan
+from shardwise.runtime import ModelRuntime, Unit
+from shardwise.strategy import Strategy, resolve_groups
+
+_STATE_ATTR = "_shardwise"
+
+
+def shard(
+    model: nn.Module,
+    units: Optional[UnitsSpec] = "auto",
+    strategy: Union[str, Strategy] = "full_shard",
+    mesh=None,
+    mixed_precision: Optional[MixedPrecision] = None,
+    offload: Optional[CPUOffload] = None,
+    *,
+    sync_module_states: bool = False,
+    param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+    device: Optional[Union[str, torch.device]] = None,
+    prefetch: bool = True,
+) -> nn.Module:
+    """Shard ``model`` in place across the ranks of ``mesh`` (default: the whole world) and return it.
+
+    Args:
+        units: what becomes a unit (one all-gather / reduce-scatter each): a set of module classes, a
+            callable ``(module) -> bool``, or ``"auto"`` (Hugging Face ``_no_split_modules``, else the
+            children of the largest ``nn.ModuleList``). Parameters outside every unit form the root unit.
+        strategy: full_shard (ZeRO-3), shard_grad_op (ZeRO-2), no_shard (DDP), hybrid_shard,
+            hybrid_shard_zero2; FSDP1's upper-case names are accepted.
+        mesh: a 1-D ``DeviceMesh``, or 2-D ``("replicate", "shard")`` for the hybrid strategies.
+        mixed_precision: gather/compute dtype and gradient-reduction dtype; masters stay in their dtype.
+        offload: ``CPUOffload()`` keeps shards, gradients and the optimizer step on the CPU.
+        sync_module_states: take rank 0's parameters and buffers (other ranks may be on the meta device).
+        param_init_fn: initialises a module's own parameters when the model is on the meta device
+            (default: ``module.reset_parameters()``).
+        device: compute device; default ``cuda:<current>`` under NCCL, else CPU.
+        prefetch: start the next unit's all-gather before the current one computes.
+
+    After this call ``model.parameters()`` are the 1-D local shards (names unchanged); build the optimizer
+    from them. During a unit's forward its parameters are full-shape views of a gathered buffer.
+    """
+    if hasattr(model, _STATE_ATTR):
+        raise ShardwiseError(f"shardwise.shard() was already called on this {type(model).__name__}; call it once")
+    strategy = Strategy.parse(strategy)
+    mp = mixed_precision or MixedPrecision()
+    groups = resolve_groups(strategy, mesh)
+    compute_device = _resolve_device(model, device, groups.device_type)
+
+    is_meta = any(p.is_meta for p in model.parameters())
+    plan = build_plan(model, units, groups.shard_size)
+    state_dict_keys = list(model.state_dict(keep_vars=True).keys())
+    flat_groups = {id(gp): FlatGroup(gp, groups, compute_device, mp, offload) for gp in plan.groups()}
+    all_groups = list(flat_groups.values())
+
+    if sync_module_states:
+        materialize.fill_from_rank0(model, all_groups, compute_device)
+    elif is_meta:
+        materialize.fill_from_meta(model, all_groups, compute_device, param_init_fn)
+    else:
+        materialize.fill_from_full_params(all_groups)
+    if not sync_module_states:
+        for mod in model.modules():
+            for n, b in list(mod._buffers.items()):
+                if b is not None and b.device != compute_device and not b.is_meta:
+                    mod._buffers[n] = b.to(compute_device)
+
+    # The original parameter objects are retired: their memory is released, and an optimizer that still
+    # holds them (built before shard) is caught at its first step instead of silently doing nothing.
+    for spec in plan.params():
+        old = spec.refs[0].module._parameters[spec.refs[0].name]
+        old.data = torch.empty(0, dtype=old.dtype, device=old.device)
+        old._shardwise_retired = spec.fqn
+    _install_optimizer_check()
+
+    runtime = ModelRuntime(strategy, groups, mp, prefetch)
+    for up in plan.units:
+        unit = Unit(up, [flat_groups[id(gp)] for gp in up.groups], runtime)
+        runtime.units.append(unit)
+        unit.bind_sharded()
+        up.module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
+        up.module.register_forward_hook(unit.post_forward, with_kwargs=True)
+    runtime.plan = plan
+    runtime.state_dict_keys = state_dict_keys
+    runtime.device = compute_device
+    setattr(model, _STATE_ATTR, runtime)
+    return model
+
+
+def runtime_of(model: nn.Module) -> ModelRuntime:
+    rt = getattr(model, _STATE_ATTR, None)
+    if rt is None:
+        raise ShardwiseError(f"{type(model).__name__} is not sharded: call shardwise.shard(model, ...) first")
+    return rt
+
+
+def _resolve_device(model: nn.Module, device, device_type: str) -> torch.device:
+    real: dict[torch.device, str] = {}
+    meta_name = None
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            meta_name = meta_name or name
+        else:
+            real.setdefault(p.device, name)
+    if len(real) > 1:
+        listing = ", ".join(f"{n!r} on {d}" for d, n in real.items())
+        raise ShardwiseError(f"parameters are on different devices ({listing}); move the model to one device first")
+    if real and meta_name is not None:
+        (d, n), = real.items()
+        raise ShardwiseError(
+            f"parameters are on different devices: {meta_name!r} on meta and {n!r} on {d}; build the whole "
+            f"model on the meta device (shard() then materialises it) or none of it"
+        )
+    if device is not None:
+        return torch.device(device)
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+_optimizer_check_installed = False
+
+
+def _install_optimizer_check() -> None:
+    global _optimizer_check_installed
+    if _optimizer_check_installed:
+        return
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def check(optimizer, args, kwargs):
+        # Checked once per optimizer (and again if its parameter count changes): cheap on the hot path.
+        n = sum(len(g["params"]) for g in optimizer.param_groups)
+        if optimizer.__dict__.get("_shardwise_checked") == n:
+            return
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                fqn = getattr(p, "_shardwise_retired", None)
+                if fqn is not None:
+                    raise ShardwiseError(
+                        f"{type(optimizer).__name__} holds parameter {fqn!r} from before shardwise.shard(); "
+                        f"build the optimizer after shard() from model.parameters()"
+                    )
+        optimizer.__dict__["_shardwise_checked"] = n
+
+    register_optimizer_step_pre_hook(check)
+    _optimizer_check_installed = True
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally (unsharded, in the reduce dtype) without communicating them; the first
+    backward outside the context reduces everything accumulated so far."""
+    rt = runtime_of(model)
+    previous = rt.require_grad_sync
+    rt.require_grad_sync = False
+    try:
+        yield
+    finally:
+        rt.require_grad_sync = previous
+
+
+def _shard_grads(rt: ModelRuntime) -> Iterator[torch.Tensor]:
+    for u in rt.units:
+        for g in u.groups:
+            for p in g.shard_params:
+                if p.grad is not None:
+                    yield p.grad
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale gradients so their global norm (over every shard on every rank) is at most ``max_norm``.
+    Returns the global norm before clipping, the same on every rank."""
+    rt = runtime_of(model)
+    grads = list(_shard_grads(rt))
+    norm_type = float(norm_type)
+    device = rt.device
+    if math.isinf(norm_type):
+        local = torch.stack([g.detach().abs().max() for g in grads]).max().float() if grads else torch.zeros((), device=device)
+        local = local.to(device)
+        if rt.groups.shard is not None:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=rt.groups.shard)
+        total = local
+    else:
+        if grads:
+            local = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in grads])
+            local = local.pow(norm_type).sum().to(device)
+        else:
+            local = torch.zeros((), dtype=torch.float32, device=device)
+        # Shards are disjoint within a shard group and identical across replicas: sum over the shard group only.
+        if rt.groups.shard is not None:
+            collectives.all_reduce_sum(local, rt.groups.shard)
+        total = local.pow(1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device, g.dtype))
+    return total

@@ -1,0 +1,55 @@
+"""Thin wrappers over torch.distributed collectives: one place that knows the API differences between
+torch versions, so the rest of the package speaks in ``all_gather_into`` / ``reduce_scatter_into``.
+
+Every collective inherits the timeout of its process group (set at ``init_process_group(timeout=...)``),
+and ``wait`` accepts a timeout as well, so no call here can block forever.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 deprecates the *_tensor names in favour of *_single; 2.11 (the GPU image) only has the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True):
+    """Concatenate every rank's ``shard`` (same numel everywhere) into ``output``, rank-major."""
+    return _all_gather_single(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, group, async_op: bool = True):
+    """Sum ``flat`` over ranks and keep this rank's contiguous 1/N chunk in ``output``."""
+    return _reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group, async_op: bool = False):
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def wait(work, timeout: Optional[timedelta] = None) -> None:
+    if work is None:
+        return
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
+def broadcast_text(text: Optional[str], src: int = 0, group=None, device: torch.device = torch.device("cpu")) -> str:
+    """Send a string from ``src`` to every rank without pickle (length, then UTF-8 bytes)."""
+    is_src = dist.get_rank() == src
+    data = (text or "").encode("utf-8") if is_src else b""
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=src, group=group)
+    buf = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    if is_src and len(data):
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    if buf.numel():
+        dist.broadcast(buf, src=src, group=group)
+    return bytes(buf.cpu().tolist()).decode("utf-8") if not is_src else (text or "")

@@ -1,0 +1,185 @@
+"""One flat group's memory: the persistent shard, the transient gathered buffer, and gradient reduction.
+
+Buffer lifetimes (N = shard group size, P = padded numel of the group)::
+
+    shard      P/N elements, master dtype, lives as long as the model. Each parameter's shard is an
+               nn.Parameter *view* of it, so the optimizer updates it in place and the next all-gather
+               reads the updated values with no copy-in.
+    gathered   P elements, compute dtype. Allocated by unshard (storage resized up), filled by one
+               all-gather, freed by reshard (storage resized to 0). Module parameters are views of it
+               (no copy-out). The storage object itself survives, so tensors autograd saved in forward
+               point at valid memory again once backward re-gathers into it.
+    grad flat  P elements, reduce dtype. Packed from the unit's gradients in backward, consumed by one
+               reduce-scatter, freed when that finishes.
+    grad shard P/N elements. The reduce-scatter output; each parameter's ``.grad`` is a view of it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from shardwise import collectives
+from shardwise.mixed_precision import MixedPrecision
+from shardwise.offload import CPUOffload
+from shardwise.plan import FlatGroupPlan
+from shardwise.strategy import Groups
+
+
+class GatherState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"  # all-gather issued, not yet waited on
+    GATHERED = "gathered"
+
+
+class FlatGroup:
+    def __init__(
+        self,
+        plan: FlatGroupPlan,
+        groups: Groups,
+        device: torch.device,
+        mixed_precision: MixedPrecision,
+        offload: Optional[CPUOffload],
+    ):
+        self.plan = plan
+        self.groups = groups
+        self.device = device
+        self.offload = offload
+        self.param_dtype = mixed_precision.compute_dtype(plan.dtype)
+        self.reduce_dtype = mixed_precision.grad_reduce_dtype(plan.dtype)
+        if offload is not None:
+            self.shard = offload.allocate(plan.shard_numel, plan.dtype, device)
+        else:
+            self.shard = torch.empty(plan.shard_numel, dtype=plan.dtype, device=device)
+        self.shard.zero_()  # padding stays zero forever: checksums and exports are deterministic
+
+        start, end = plan.shard_range(groups.shard_rank)
+        self.shard_start = start
+        self.local_slices: list[tuple[int, int, int]] = []  # per param: (lo, hi) in the param, offset in shard
+        self.shard_params: list[nn.Parameter] = []
+        for spec in plan.params:
+            lo, hi = spec.local_range(start, end)
+            at = spec.offset + lo - start if hi > lo else 0
+            self.local_slices.append((lo, hi, at))
+            self.shard_params.append(nn.Parameter(self.shard.narrow(0, at, hi - lo), requires_grad=spec.requires_grad))
+
+        # With one rank per shard group, no cast and no offload, the "gathered" buffer *is* the shard:
+        # nothing to communicate and nothing to free (no_shard / DDP).
+        self.aliases_shard = groups.shard_size == 1 and self.param_dtype == plan.dtype and offload is None
+        if self.aliases_shard:
+            self.gathered = self.shard
+            self.state = GatherState.GATHERED
+        else:
+            self.gathered = torch.empty(plan.padded_numel, dtype=self.param_dtype, device=device)
+            # Collectives write through a second tensor on the same storage: it has its own version
+            # counter, so refilling the buffer in backward does not trip autograd's check that saved
+            # tensors (views of `gathered`) were not modified in place.
+            self._writer = torch.empty(0, dtype=self.param_dtype, device=device).set_(
+                self.gathered.untyped_storage(), 0, (plan.padded_numel,), (1,)
+            )
+            self.gathered.untyped_storage().resize_(0)
+            self.state = GatherState.SHARDED
+        self._gather_work = None
+        self._gather_src: Optional[torch.Tensor] = None  # keeps a cast/moved shard alive during the collective
+        self._unsynced_grad: Optional[torch.Tensor] = None  # no_sync accumulation, unsharded, reduce dtype
+
+    # ---- parameters -------------------------------------------------------------------------------
+    def full_views(self) -> list[torch.Tensor]:
+        """Fresh full-shape views of the gathered buffer, one per parameter (valid while gathered)."""
+        g = self.gathered
+        return [g.narrow(0, s.offset, s.numel).view(s.shape) for s in self.plan.params]
+
+    # ---- unshard / reshard ------------------------------------------------------------------------
+    def begin_unshard(self) -> None:
+        if self.state is not GatherState.SHARDED:
+            return
+        storage = self.gathered.untyped_storage()
+        storage.resize_(self.plan.padded_numel * self.param_dtype.itemsize)
+        src = self.shard
+        if src.device != self.device:
+            src = src.to(self.device, non_blocking=True)
+        if src.dtype != self.param_dtype:
+            src = src.to(self.param_dtype)
+        if self.groups.shard is None:
+            self._writer.copy_(src)
+        else:
+            self._gather_work = collectives.all_gather_into(self._writer, src, self.groups.shard, async_op=True)
+            self._gather_src = src
+        self.state = GatherState.GATHERING
+
+    def wait_unshard(self) -> None:
+        if self.state is GatherState.GATHERING:
+            collectives.wait(self._gather_work)
+            self._gather_work = self._gather_src = None
+            self.state = GatherState.GATHERED
+
+    def reshard(self) -> None:
+        if self.aliases_shard or self.state is GatherState.SHARDED:
+            return
+        self.wait_unshard()  # never free memory a collective is still writing into
+        self.gathered.untyped_storage().resize_(0)
+        self.state = GatherState.SHARDED
+
+    # ---- gradients --------------------------------------------------------------------------------
+    def reduce_grads(self, grads: Sequence[Optional[torch.Tensor]], sync: bool) -> Optional["PendingReduce"]:
+        """Pack this group's unsharded gradients and start their reduce-scatter (or keep them, under no_sync)."""
+        flat = torch.empty(self.plan.padded_numel, dtype=self.reduce_dtype, device=self.device)
+        for spec, g in zip(self.plan.params, grads):
+            dst = flat.narrow(0, spec.offset, spec.numel)
+            if g is None:
+                dst.zero_()  # parameter unused in this forward: it contributes zero
+            else:
+                dst.copy_(g.reshape(-1))
+        flat.narrow(0, self.plan.numel, self.plan.padded_numel - self.plan.numel).zero_()
+        if self._unsynced_grad is not None:
+            flat.add_(self._unsynced_grad)
+            self._unsynced_grad = None
+        if not sync:
+            self._unsynced_grad = flat
+            return None
+        dp = self.groups.data_parallel_size
+        # Low-precision sums divide first so they cannot overflow; fp32 divides once at the end, which
+        # keeps results closest to a single-process mean over the global batch.
+        pre_divide = self.reduce_dtype.itemsize < 4 and dp > 1
+        if pre_divide:
+            flat.div_(dp)
+        if self.groups.shard is None:
+            return PendingReduce(self, flat, flat, None, divide_by=1 if pre_divide else dp)
+        out = torch.empty(self.plan.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        work = collectives.reduce_scatter_into(out, flat, self.groups.shard, async_op=True)
+        return PendingReduce(self, flat, out, work, divide_by=1 if pre_divide else dp)
+
+    def accumulate_grad_shard(self, grad_shard: torch.Tensor) -> None:
+        """Give each shard parameter its piece of ``grad_shard`` (a view, so grads stay one flat buffer)."""
+        if grad_shard.dtype != self.plan.dtype or grad_shard.device != self.shard.device:
+            grad_shard = grad_shard.to(device=self.shard.device, dtype=self.plan.dtype)
+        for p, (lo, hi, at) in zip(self.shard_params, self.local_slices):
+            piece = grad_shard.narrow(0, at, hi - lo)
+            if p.grad is None:
+                p.grad = piece
+            else:
+                p.grad.add_(piece)
+
+    def has_unsynced_grad(self) -> bool:
+        return self._unsynced_grad is not None
+
+
+class PendingReduce:
+    """A reduce-scatter in flight. ``finish`` waits, all-reduces across replicas, scales, and hands out grads."""
+
+    def __init__(self, group: FlatGroup, flat: torch.Tensor, out: torch.Tensor, work, divide_by: int):
+        self.group, self.flat, self.out, self.work, self.divide_by = group, flat, out, work, divide_by
+
+    def finish(self) -> None:
+        collectives.wait(self.work)
+        self.flat = None  # the unsharded gradient buffer dies here
+        out = self.out
+        if self.group.groups.replicate is not None:
+            collectives.all_reduce_sum(out, self.group.groups.replicate)
+        if self.divide_by != 1:
+            out.div_(self.divide_by)
+        self.group.accumulate_grad_shard(out)
+        self.out = None

@@ -1,0 +1,113 @@
+"""Filling the shards at ``shard()`` time, without any rank ever holding the whole model.
+
+Three sources:
+- an eagerly built model: each rank copies its slice of each parameter, then the full tensor is freed;
+- a model on the meta device: module by module, in module order, the module's own parameters are
+  allocated full-size, initialised by ``param_init_fn(module)`` or ``module.reset_parameters()``, sliced
+  into the shard and dropped. Peak extra memory is one module's parameters. Consuming the RNG in module
+  order is what makes the result equal to eager construction with the same seed;
+- ``sync_module_states``: rank 0's values, broadcast one flat group at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardwise.errors import ShardwiseError
+from shardwise.flat_buffer import FlatGroup
+from shardwise.plan import ParamSpec
+
+
+def _specs_by_param(groups: list[FlatGroup]) -> dict[int, tuple[FlatGroup, int]]:
+    out = {}
+    for g in groups:
+        for i, spec in enumerate(g.plan.params):
+            out[id(spec.refs[0].module._parameters[spec.refs[0].name])] = (g, i)
+    return out
+
+
+def copy_slice_into_shard(group: FlatGroup, index: int, full: torch.Tensor) -> None:
+    lo, hi, at = group.local_slices[index]
+    if hi > lo:
+        group.shard.narrow(0, at, hi - lo).copy_(full.detach().reshape(-1)[lo:hi])
+
+
+def fill_from_full_params(groups: list[FlatGroup]) -> None:
+    for g in groups:
+        for i, spec in enumerate(g.plan.params):
+            ref = spec.refs[0]
+            copy_slice_into_shard(g, i, ref.module._parameters[ref.name])
+
+
+def fill_from_meta(
+    model: nn.Module,
+    groups: list[FlatGroup],
+    device: torch.device,
+    param_init_fn: Optional[Callable[[nn.Module], None]],
+) -> None:
+    where = _specs_by_param(groups)
+    done: set[int] = set()
+    for mod_name, module in model.named_modules():
+        direct = [(n, p) for n, p in module._parameters.items() if p is not None]
+        meta_buffers = [(n, b) for n, b in module._buffers.items() if b is not None and b.is_meta]
+        for n, b in meta_buffers:
+            module._buffers[n] = torch.empty_like(b, device=device)
+        if not direct:
+            if meta_buffers and param_init_fn is not None:
+                param_init_fn(module)
+            continue
+        originals = dict(direct)
+        # Fresh full tensors for *every* direct parameter, tied ones included: eager construction
+        # consumed RNG for them too, so skipping them would shift every later module's values.
+        temps = {n: nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad) for n, p in direct}
+        for n, t in temps.items():
+            module._parameters[n] = t
+        try:
+            if param_init_fn is not None:
+                param_init_fn(module)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            else:
+                raise ShardwiseError(
+                    f"module {mod_name or '<root>'} ({type(module).__name__}) has parameters on the meta device "
+                    f"but no reset_parameters(); pass param_init_fn= to shardwise.shard()"
+                )
+            for n, p in originals.items():
+                if id(p) in where and id(p) not in done:
+                    g, i = where[id(p)]
+                    copy_slice_into_shard(g, i, module._parameters[n])
+                    done.add(id(p))
+        finally:
+            for n, p in originals.items():
+                module._parameters[n] = p
+
+
+def fill_from_rank0(model: nn.Module, groups: list[FlatGroup], device: torch.device) -> None:
+    """Broadcast rank 0's parameters and buffers; other ranks may hold anything of the right shapes (or meta)."""
+    is_src = dist.get_rank() == 0
+    for g in groups:
+        full = torch.empty(g.plan.padded_numel, dtype=g.plan.dtype, device=device)
+        if is_src:
+            for spec in g.plan.params:
+                ref = spec.refs[0]
+                full.narrow(0, spec.offset, spec.numel).copy_(ref.module._parameters[ref.name].detach().reshape(-1))
+        dist.broadcast(full, src=0)
+        start = g.shard_start
+        g.shard.copy_(full.narrow(0, start, g.plan.shard_numel))
+    for module in model.modules():
+        for n, b in list(module._buffers.items()):
+            if b is None:
+                continue
+            if b.is_meta or b.device != device:
+                b = torch.empty_like(b, device=device) if b.is_meta else b.to(device)
+                module._buffers[n] = b
+            dist.broadcast(b, src=0)
+
+
+def spec_params(spec: ParamSpec) -> nn.Parameter:
+    ref = spec.refs[0]
+    return ref.module._parameters[ref.name]

@@ -1,0 +1,65 @@
+"""Mixed precision: fp32 master shards, gather and compute in ``param_dtype``, reduce in ``reduce_dtype``.
+
+The cast happens on the shard *before* the all-gather (1/N of the bytes cast, half the bytes sent for bf16),
+and gradients are cast up to ``reduce_dtype`` as they are packed for the reduce-scatter, so the sum over
+ranks runs in full precision when asked to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    param_dtype: Optional[torch.dtype] = None
+    """dtype parameters are gathered and computed in; None keeps each parameter's own dtype."""
+    reduce_dtype: Optional[torch.dtype] = None
+    """dtype gradients are summed across ranks in; None uses param_dtype (or the parameter's dtype)."""
+    cast_forward_inputs: bool = True
+    """Cast floating-point tensors passed to each unit's forward to param_dtype, so that fp32 inputs meet
+    bf16 weights without a dtype error."""
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self.param_dtype if (self.param_dtype is not None and dtype.is_floating_point) else dtype
+
+    def grad_reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        if self.reduce_dtype is not None and dtype.is_floating_point:
+            return self.reduce_dtype
+        return self.compute_dtype(dtype)
+
+
+def map_tensors(obj: Any, fn) -> Any:
+    """Apply ``fn`` to every tensor in nested tuples/lists/dicts (named tuples and dict subclasses kept)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_tensors(x, fn) for x in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(x, fn) for x in obj)
+    if isinstance(obj, dict):
+        out = {k: map_tensors(v, fn) for k, v in obj.items()}
+        try:
+            return type(obj)(**out) if type(obj) is not dict else out
+        except TypeError:
+            return out
+    return obj
+
+
+def iter_tensors(obj: Any):
+    """Every tensor inside nested tuples/lists/dicts (and dataclass-like outputs with ``__dict__``)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from iter_tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from iter_tensors(x)
+
+
+def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    return map_tensors(obj, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)

@@ -1,0 +1,237 @@
+"""The sharding plan: which unit owns which parameter, and where each parameter lives in its flat buffer.
+
+Pure bookkeeping: no process group, no allocation. It runs just as well on a model built on the meta device
+with a made-up world size, which is how ``shardwise estimate-memory`` plans 70B models on a laptop.
+
+Layout (one ``FlatGroupPlan`` per unit x dtype x requires_grad)::
+
+    unsharded flat:  [ p0 .......... | p1 ...... | p2 ..... | pad ]     padded_numel = shard_numel * N
+    rank r owns:     [ r * shard_numel, (r + 1) * shard_numel )
+
+Parameters are laid out whole and back to back, so after an all-gather every parameter is a contiguous
+view of the gathered buffer (no copy-out), and each rank's shard of a parameter is one contiguous 1-D piece
+of it (possibly empty). Frozen parameters and other dtypes get their own groups so that no gradient memory
+or traffic is ever spent on a frozen parameter, and no buffer mixes dtypes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from shardwise.errors import ShardwiseError
+
+UnitsSpec = Union[str, Callable[[nn.Module], bool], Iterable[type]]
+
+
+@dataclass(eq=False)
+class ParamRef:
+    """One place a parameter is registered: ``module._parameters[name]``, reachable as ``fqn``."""
+
+    module: nn.Module
+    name: str
+    fqn: str
+
+
+@dataclass(eq=False)
+class ParamSpec:
+    """One unique parameter (tied parameters appear once, with several refs)."""
+
+    refs: list[ParamRef]
+    shape: torch.Size
+    dtype: torch.dtype
+    requires_grad: bool
+    offset: int = 0  # element offset in the unsharded flat buffer of its group
+
+    @property
+    def fqn(self) -> str:
+        return self.refs[0].fqn
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def local_range(self, shard_start: int, shard_end: int) -> tuple[int, int]:
+        """Element range [lo, hi) of this parameter (flattened) that falls in a rank's shard (lo == hi: none)."""
+        lo = min(max(shard_start - self.offset, 0), self.numel)
+        hi = min(max(shard_end - self.offset, 0), self.numel)
+        return lo, max(lo, hi)
+
+
+@dataclass(eq=False)
+class FlatGroupPlan:
+    unit_fqn: str
+    dtype: torch.dtype
+    requires_grad: bool
+    params: list[ParamSpec]
+    shard_size: int
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def shard_numel(self) -> int:
+        return -(-self.numel // self.shard_size)  # ceil: the last rank's shard ends in padding
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.shard_size
+
+    def shard_range(self, shard_rank: int) -> tuple[int, int]:
+        return shard_rank * self.shard_numel, (shard_rank + 1) * self.shard_numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.padded_numel * self.dtype.itemsize
+
+
+@dataclass(eq=False)
+class UnitPlan:
+    fqn: str  # "" for the root unit
+    module: nn.Module
+    groups: list[FlatGroupPlan] = field(default_factory=list)
+
+    @property
+    def is_root(self) -> bool:
+        return self.fqn == ""
+
+    @property
+    def label(self) -> str:
+        return self.fqn or "<root>"
+
+    def params(self) -> Iterator[ParamSpec]:
+        for g in self.groups:
+            yield from g.params
+
+
+@dataclass(eq=False)
+class ShardingPlan:
+    units: list[UnitPlan]  # non-root units in module order, then the root unit last
+    shard_size: int
+
+    @property
+    def root(self) -> UnitPlan:
+        return self.units[-1]
+
+    def groups(self) -> Iterator[FlatGroupPlan]:
+        for u in self.units:
+            yield from u.groups
+
+    def params(self) -> Iterator[ParamSpec]:
+        for u in self.units:
+            yield from u.params()
+
+
+def resolve_unit_modules(model: nn.Module, units: Optional[UnitsSpec]) -> list[tuple[str, nn.Module]]:
+    """The (fqn, module) pairs that become units, in module order. The root is never among them."""
+    if units is None:
+        return []
+    if isinstance(units, str):
+        if units != "auto":
+            raise ShardwiseError(f"units={units!r}: give a set of module classes, a callable, or 'auto'")
+        predicate = _auto_unit_predicate(model)
+    elif callable(units) and not isinstance(units, type):
+        predicate = units
+    else:
+        classes = set(units) if not isinstance(units, type) else {units}
+        bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+        if bad:
+            raise ShardwiseError(f"units contains {bad!r}, which are not nn.Module classes")
+        present = {type(m) for m in model.modules()}
+        missing = sorted(c.__name__ for c in classes if c not in present)
+        if missing:
+            raise ShardwiseError(
+                f"unit class(es) {', '.join(missing)} do not occur in {type(model).__name__}; "
+                f"module classes present: {', '.join(sorted({c.__name__ for c in present}))}"
+            )
+        predicate = lambda m: type(m) in classes  # noqa: E731
+    found = [(n, m) for n, m in model.named_modules() if m is not model and predicate(m)]
+    if isinstance(units, str) and not found:
+        raise ShardwiseError(f"units='auto' found no repeated blocks in {type(model).__name__}; pass units= explicitly")
+    return found
+
+
+def _auto_unit_predicate(model: nn.Module) -> Callable[[nn.Module], bool]:
+    """Hugging Face models name their blocks in ``_no_split_modules``; otherwise take the children of the
+    largest ``nn.ModuleList`` (by parameter count), which is where transformer blocks live."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    if names:
+        classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+        if classes:
+            return lambda m: type(m) in classes
+    best, best_count = None, -1
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 0:
+            count = sum(p.numel() for p in m.parameters())
+            if count > best_count:
+                best, best_count = m, count
+    if best is None:
+        return lambda m: False
+    children = {id(c) for c in best}
+    return lambda m: id(m) in children
+
+
+def build_plan(model: nn.Module, units: Optional[UnitsSpec], shard_size: int) -> ShardingPlan:
+    """Assign every parameter to a unit and lay the units' flat buffers out for ``shard_size`` ranks.
+
+    A parameter registered in several places (tied weights) belongs to the innermost unit that encloses all
+    of its uses: that unit is gathered for as long as any user runs, so every use sees full weights.
+    """
+    if shard_size < 1:
+        raise ShardwiseError(f"shard_size must be >= 1, got {shard_size}")
+    unit_pairs = resolve_unit_modules(model, units)
+    unit_ids = {id(m): fqn for fqn, m in unit_pairs}
+
+    specs: dict[int, ParamSpec] = {}
+    chains: dict[int, tuple[int, ...]] = {}  # param id -> common prefix of the unit chains of its uses
+    visiting: set[int] = set()
+
+    def visit(module: nn.Module, prefix: str, chain: tuple[int, ...]) -> None:
+        if id(module) in visiting:
+            raise ShardwiseError(f"module {prefix or '<root>'} contains itself")
+        visiting.add(id(module))
+        if id(module) in unit_ids and module is not model:
+            chain = chain + (id(module),)
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            ref = ParamRef(module, name, f"{prefix}{name}")
+            if id(p) in specs:
+                specs[id(p)].refs.append(ref)
+                old = chains[id(p)]
+                k = 0
+                while k < min(len(old), len(chain)) and old[k] == chain[k]:
+                    k += 1
+                chains[id(p)] = old[:k]
+            else:
+                specs[id(p)] = ParamSpec([ref], p.shape, p.dtype, p.requires_grad)
+                chains[id(p)] = chain
+        for cname, child in module._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{cname}.", chain)
+        visiting.discard(id(module))
+
+    visit(model, "", ())
+
+    by_unit: dict[int, list[ParamSpec]] = {id(m): [] for _, m in unit_pairs}
+    by_unit[id(model)] = []
+    for pid, spec in specs.items():
+        chain = chains[pid]
+        by_unit[chain[-1] if chain else id(model)].append(spec)
+
+    plans = [UnitPlan(fqn, m) for fqn, m in unit_pairs] + [UnitPlan("", model)]
+    for up in plans:
+        keys: dict[tuple[torch.dtype, bool], list[ParamSpec]] = {}
+        for spec in by_unit[id(up.module)]:
+            keys.setdefault((spec.dtype, spec.requires_grad), []).append(spec)
+        for (dtype, rg), params in keys.items():
+            offset = 0
+            for p in params:
+                p.offset = offset
+                offset += p.numel
+            up.groups.append(FlatGroupPlan(up.fqn, dtype, rg, params, shard_size))
+    return ShardingPlan(plans, shard_size)
