@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise import collectives, materialize
+from shardwise.checkpointing import checkpoint_unit
 from shardwise.errors import ShardwiseError
 from shardwise.flat_buffer import FlatGroup
 from shardwise.mixed_precision import MixedPrecision
@@ -34,6 +35,7 @@ def shard(
     param_init_fn: Optional[Callable[[nn.Module], None]] = None,
     device: Optional[Union[str, torch.device]] = None,
     prefetch: bool = True,
+    activation_checkpointing: bool = False,
 ) -> nn.Module:
     """Shard ``model`` in place across the ranks of ``mesh`` (default: the whole world) and return it.
 
@@ -51,6 +53,8 @@ def shard(
             (default: ``module.reset_parameters()``).
         device: compute device; default ``cuda:<current>`` under NCCL, else CPU.
         prefetch: start the next unit's all-gather before the current one computes.
+        activation_checkpointing: recompute each (non-root) unit's activations in backward instead of
+            keeping them.
 
     After this call ``model.parameters()`` are the 1-D local shards (names unchanged); build the optimizer
     from them. During a unit's forward its parameters are full-shape views of a gathered buffer.
@@ -95,6 +99,8 @@ def shard(
         unit.bind_sharded()
         up.module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
         up.module.register_forward_hook(unit.post_forward, with_kwargs=True)
+        if activation_checkpointing and not up.is_root:
+            checkpoint_unit(unit)
     runtime.plan = plan
     runtime.state_dict_keys = state_dict_keys
     runtime.device = compute_device
