@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from shardwise import collectives, materialize
 from shardwise.checkpointing import checkpoint_unit
+from shardwise.consistency import CollectiveChecker, check_same_plan, checks_enabled
 from shardwise.errors import ShardwiseError
 from shardwise.flat_buffer import FlatGroup
 from shardwise.mixed_precision import MixedPrecision
@@ -93,6 +94,13 @@ def shard(
     _install_optimizer_check()
 
     runtime = ModelRuntime(strategy, groups, mp, prefetch)
+    if checks_enabled():
+        check_same_plan(_describe_plan(plan, strategy, groups), _world_if_many())
+        checker = CollectiveChecker([u.label for u in plan.units], lambda: runtime.phase.value)
+        for ui, up in enumerate(plan.units):
+            for gi, gp in enumerate(up.groups):
+                flat_groups[id(gp)].checker = checker
+                flat_groups[id(gp)].ids = (ui, gi)
     for up in plan.units:
         unit = Unit(up, [flat_groups[id(gp)] for gp in up.groups], runtime)
         runtime.units.append(unit)
@@ -106,6 +114,19 @@ def shard(
     runtime.device = compute_device
     setattr(model, _STATE_ATTR, runtime)
     return model
+
+
+def _world_if_many():
+    return dist.group.WORLD if dist.get_world_size() > 1 else None
+
+
+def _describe_plan(plan, strategy: Strategy, groups) -> str:
+    lines = [f"{strategy.value} shard={groups.shard_size} replicate={groups.replicate_size}"]
+    for u in plan.units:
+        for g in u.groups:
+            lines.append(f"unit {u.label} {g.dtype} rg={g.requires_grad}")
+            lines.extend(f"  {p.fqn} {tuple(p.shape)}" for p in g.params)
+    return "\n".join(lines)
 
 
 def runtime_of(model: nn.Module) -> ModelRuntime:

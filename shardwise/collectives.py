@@ -32,13 +32,20 @@ def all_reduce_sum(tensor: torch.Tensor, group, async_op: bool = False):
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def wait(work, timeout: Optional[timedelta] = None) -> None:
+def wait(work, timeout: Optional[timedelta] = None, what: str = "collective") -> None:
+    """Wait for an async collective; a failure (peer died, timeout) becomes an error naming ``what``."""
     if work is None:
         return
-    if timeout is None:
-        work.wait()
-    else:
-        work.wait(timeout)
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout)
+    except RuntimeError as e:
+        from shardwise.errors import ShardwiseError
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise ShardwiseError(f"rank {rank}: {what} failed: a peer rank died, left or timed out ({e})") from e
 
 
 def broadcast_text(text: Optional[str], src: int = 0, group=None, device: torch.device = torch.device("cpu")) -> str:

@@ -85,6 +85,16 @@ class FlatGroup:
         self._gather_work = None
         self._gather_src: Optional[torch.Tensor] = None  # keeps a cast/moved shard alive during the collective
         self._unsynced_grad: Optional[torch.Tensor] = None  # no_sync accumulation, unsharded, reduce dtype
+        # Set by shard() once units are numbered: fingerprints every collective (see consistency.py).
+        self.checker = None
+        self.ids = (0, 0)  # (unit index, group index within the unit)
+
+    def _check(self, op: str, numel: int) -> None:
+        if self.checker is not None:
+            self.checker.check(op, self.ids[0], self.ids[1], numel)
+
+    def _what(self, op: str) -> str:
+        return f"{op} of unit {self.plan.unit_fqn or '<root>'!r} ({self.plan.dtype}, {self.plan.padded_numel} elements)"
 
     # ---- parameters -------------------------------------------------------------------------------
     def full_views(self) -> list[torch.Tensor]:
@@ -106,13 +116,14 @@ class FlatGroup:
         if self.groups.shard is None:
             self._writer.copy_(src)
         else:
+            self._check("all_gather", self.plan.padded_numel)
             self._gather_work = collectives.all_gather_into(self._writer, src, self.groups.shard, async_op=True)
             self._gather_src = src
         self.state = GatherState.GATHERING
 
     def wait_unshard(self) -> None:
         if self.state is GatherState.GATHERING:
-            collectives.wait(self._gather_work)
+            collectives.wait(self._gather_work, what=self._what("all_gather"))
             self._gather_work = self._gather_src = None
             self.state = GatherState.GATHERED
 
@@ -149,6 +160,7 @@ class FlatGroup:
         if self.groups.shard is None:
             return PendingReduce(self, flat, flat, None, divide_by=1 if pre_divide else dp)
         out = torch.empty(self.plan.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        self._check("reduce_scatter", self.plan.padded_numel)
         work = collectives.reduce_scatter_into(out, flat, self.groups.shard, async_op=True)
         return PendingReduce(self, flat, out, work, divide_by=1 if pre_divide else dp)
 
@@ -174,11 +186,13 @@ class PendingReduce:
         self.group, self.flat, self.out, self.work, self.divide_by = group, flat, out, work, divide_by
 
     def finish(self) -> None:
-        collectives.wait(self.work)
+        g = self.group
+        collectives.wait(self.work, what=g._what("reduce_scatter"))
         self.flat = None  # the unsharded gradient buffer dies here
         out = self.out
-        if self.group.groups.replicate is not None:
-            collectives.all_reduce_sum(out, self.group.groups.replicate)
+        if g.groups.replicate is not None:
+            g._check("all_reduce", out.numel())
+            collectives.wait(collectives.all_reduce_sum(out, g.groups.replicate, async_op=True), what=g._what("all_reduce"))
         if self.divide_by != 1:
             out.div_(self.divide_by)
         self.group.accumulate_grad_shard(out)
