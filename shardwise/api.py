@@ -217,7 +217,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     norm_type = float(norm_type)
     device = rt.device
     if math.isinf(norm_type):
-        local = torch.stack([g.detach().abs().max() for g in grads]).max().float() if grads else torch.zeros((), device=device)
+        # A rank's piece of a parameter may be empty (max() of nothing raises): only non-empty pieces count.
+        maxes = [g.detach().abs().max().float() for g in grads if g.numel()]
+        local = torch.stack(maxes).max() if maxes else torch.zeros((), device=device)
         local = local.to(device)
         if rt.groups.shard is not None:
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=rt.groups.shard)

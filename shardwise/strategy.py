@@ -38,7 +38,8 @@ class Strategy(enum.Enum):
         if isinstance(value, Strategy):
             return value
         if isinstance(value, str):
-            key = value.strip().lower()
+            # FSDP1 spells the last one ShardingStrategy._HYBRID_SHARD_ZERO2: the leading underscore is dropped.
+            key = value.strip().lower().lstrip("_")
             for s in cls:
                 if s.value == key:
                     return s
