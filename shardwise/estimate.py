@@ -1,0 +1,503 @@
+"""``shardwise estimate-memory``: the per-rank memory plan of a training configuration, from the real
+sharding plan, with no processes and no memory.
+
+The model is built on the meta device (shapes only) and handed to ``shardwise.plan.build_plan`` with the
+shard size the strategy would use on N ranks: the flat-group sizes, padding included, are exactly those
+``shardwise.shard`` would allocate. Activations come from running the model's real forward on meta
+tensors under ``saved_tensors_hooks``, counting every distinct storage autograd keeps for backward, so
+any architecture (GPT presets, Llama, Qwen2, GPT-2 ...) is measured rather than guessed at.
+
+What is counted, per rank (see flat_buffer.py for the buffer lifetimes)::
+
+    param shards      sum(shard_numel) x master dtype
+    grad shards       trainable shard_numel x master dtype
+    optimizer shards  AdamW: 2 x trainable shard_numel x master dtype
+    gathered          root unit (stays gathered for forward + backward) + the largest unit + the next one
+                      (prefetched); shard_grad_op / no_shard keep every unit gathered from forward to backward
+    grad reduction    one unit's unsharded gradients (compute dtype) + its flat reduce-scatter buffer
+    scratch           gloo's temporary copy of the buffer a collective works on (CPU only)
+    activations       what autograd saves in forward + the backward working set (two of the largest)
+
+and the total is the largest of three peaks: early in backward, at its end, and at the optimizer step ([Note: three peaks]
+in ``plan_memory``). "Memory" is live bytes: what a caching allocator or malloc keeps beyond that (freed
+blocks not yet returned) is not predicted. With ``cpu_offload`` the shards live in CPU memory and are not
+counted against the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardwise.plan import ShardingPlan, build_plan
+from shardwise.strategy import Strategy
+
+_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_MASTER = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ADAM_STATES = 2  # exp_avg and exp_avg_sq, each the size and dtype of the shard
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """One configuration to plan for."""
+
+    model: str
+    world_size: int
+    sharding_strategy: str = "full_shard"
+    mixed_precision: str = "no"
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+    batch_size: int = 16
+    seq_len: int = 128
+    dtype: str = "fp32"  # master weights
+    ranks_per_node: int = 8  # the shard group size of the hybrid strategies
+    device: str = "cuda"  # cuda (NCCL) or cpu (gloo, whose collectives allocate a full-size scratch buffer)
+    auto_wrap: str = "transformer_based_wrap"
+    transformer_layer_cls_to_wrap: tuple[str, ...] = ()
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    num_params: int
+    world_size: int
+    shard_size: int
+    sharding_strategy: str
+    mixed_precision: str
+    cpu_offload: bool
+    activation_checkpointing: bool
+    batch_size: int
+    seq_len: int
+    num_units: int
+    param_bytes: int  # the whole model in master dtype (for reference)
+    param_shard_bytes: int
+    grad_shard_bytes: int
+    optim_shard_bytes: int
+    gathered_unit_bytes: int  # the largest non-root unit, gathered in compute dtype
+    prefetched_unit_bytes: int  # the unit gathered ahead of it
+    root_unit_bytes: int
+    gathered_bytes: int  # everything gathered at the peak (units above, or all of them without resharding)
+    grad_reduce_bytes: int
+    collective_scratch_bytes: int  # gloo's temporary copy of the buffer a collective works on (CPU only)
+    activation_bytes: int  # saved by autograd at the end of forward + the backward working set
+    activation_method: str
+    backward_peak_bytes: int  # see [Note: three peaks]: the larger of early and end of backward
+    optimizer_step_peak_bytes: int
+    device_bytes_offloaded: int  # shard bytes moved to CPU memory by cpu_offload
+    total_bytes: int  # per-rank device memory at the peak
+    fits: Optional[bool] = None
+    device_memory_bytes: Optional[int] = None
+    suggestions: list[str] = field(default_factory=list)
+
+
+# ---- the model on meta ---------------------------------------------------------------------------------
+
+
+def build_meta_model(inputs: PlanInputs):
+    from shardwise.trainer.model_factory import resolve_model
+
+    spec = resolve_model(inputs.model)
+    model = spec.build("meta")
+    master = _MASTER[inputs.dtype]
+    if master != torch.float32:
+        model = model.to(master)
+    units = spec.units(model, inputs.auto_wrap, list(inputs.transformer_layer_cls_to_wrap))
+    return spec, model, units
+
+
+def shard_size_for(strategy: Strategy, world_size: int, ranks_per_node: int) -> int:
+    if strategy is Strategy.NO_SHARD:
+        return 1
+    if strategy.is_hybrid:
+        return max(1, min(world_size, ranks_per_node))
+    return world_size
+
+
+# ---- activations, measured on meta ---------------------------------------------------------------------
+
+
+def _flash_like_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA as the memory-efficient kernels run it (saving q, k, v, output and logsumexp). On meta, plain
+    SDPA takes the math path and would count a (T x T) attention matrix no fused kernel ever stores."""
+    if key.size(-3) != query.size(-3):  # grouped-query attention: kernels see the repeated heads
+        rep = query.size(-3) // key.size(-3)
+        key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
+    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal or attn_mask is not None, scale=scale)
+    return out[0]
+
+
+@contextlib.contextmanager
+def _meta_friendly_forward():
+    """Patches for the duration of the meta forward: memory-efficient SDPA, and Hugging Face's mask helpers
+    told they are being traced, so they skip data-dependent checks (``.all()`` on a meta tensor has no value)."""
+    patches = [(F, "scaled_dot_product_attention", _flash_like_sdpa)]
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is not None and hasattr(masking, "is_tracing"):
+        patches.append((masking, "is_tracing", lambda *args, **kwargs: True))
+    originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, value in patches:
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for obj, name, value in originals:
+            setattr(obj, name, value)
+
+
+@dataclass
+class ActivationProfile:
+    saved_bytes: int  # everything autograd keeps from one forward
+    largest_saved: int  # the largest single saved storage (sizes the backward working set)
+    unit_saved: list[int]  # per non-root unit: bytes saved inside it
+    unit_input: list[int]  # per non-root unit: bytes of its tensor inputs (what checkpointing keeps)
+    method: str = "measured: forward on meta tensors"
+
+    def peak(self, checkpointing: bool) -> int:
+        """Activation bytes at their peak, backward working set included.
+
+        Without checkpointing: everything saved by the end of the forward, plus the gradient flowing into
+        the widest saved activation and the one flowing out of it. With checkpointing, the larger of the
+        end of the forward (each unit's inputs + what is saved outside units + that working set) and the
+        recompute of the largest unit in backward (every unit's input + that unit's saved tensors; the
+        loss and head tensors are gone by then, and the unit's own backward frees as it goes)."""
+        working = 2 * self.largest_saved
+        if not (checkpointing and self.unit_saved):
+            return self.saved_bytes + working
+        outside = self.saved_bytes - sum(self.unit_saved)
+        inputs = sum(self.unit_input)
+        return max(outside + inputs + working, inputs + max(self.unit_saved))
+
+
+def profile_activations(spec, model: nn.Module, unit_modules: list[nn.Module], batch_size: int, seq_len: int,
+                        compute_dtype: Optional[torch.dtype]) -> ActivationProfile:
+    """Run one forward + loss on meta and measure what autograd saves (parameters excluded)."""
+    from shardwise.trainer.model_factory import lm_loss
+
+    if compute_dtype is not None:
+        model = model.to(compute_dtype)
+    param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+    seen: dict[int, int] = {}
+    unit_seen: list[dict[int, int]] = [dict() for _ in unit_modules]
+    unit_input = [0 for _ in unit_modules]
+    active: list[int] = []
+
+    def pack(t: torch.Tensor):
+        s = t.untyped_storage()
+        key = s._cdata
+        if key not in param_storages:
+            seen[key] = s.nbytes()
+            if active:
+                unit_seen[active[-1]][key] = s.nbytes()
+        return t
+
+    hooks = []
+    for i, m in enumerate(unit_modules):
+        def pre(mod, args, kwargs, i=i):
+            active.append(i)
+            unit_input[i] += sum(a.untyped_storage().nbytes() for a in list(args) + list(kwargs.values())
+                                 if isinstance(a, torch.Tensor) and a.is_floating_point())
+
+        def post(mod, args, kwargs, out, i=i):
+            active.pop()
+
+        hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(m.register_forward_hook(post, with_kwargs=True))
+    idx = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    try:
+        with _meta_friendly_forward(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            lm_loss(spec, model, idx, idx)
+    finally:
+        for h in hooks:
+            h.remove()
+    return ActivationProfile(sum(seen.values()), max(seen.values(), default=0),
+                             [sum(d.values()) for d in unit_seen], unit_input)
+
+
+def formula_activations(spec, num_units: int, batch_size: int, seq_len: int, itemsize: int) -> ActivationProfile:
+    """The textbook count (Korthikanti et al. 2022, without the attention matrix that fused kernels never
+    store): about 34·b·s·h bytes per layer at 2 bytes per element, i.e. 17 elements per token and hidden
+    unit, plus the fp32 log-softmax of the logits."""
+    per_layer = 17 * batch_size * seq_len * spec.hidden * itemsize
+    logits = batch_size * seq_len * spec.vocab_size * 4
+    layer_input = batch_size * seq_len * spec.hidden * itemsize
+    n = max(num_units, 1)
+    return ActivationProfile(per_layer * spec.n_layer + logits, max(logits, 4 * layer_input),
+                             [per_layer * spec.n_layer // n] * num_units, [layer_input] * num_units,
+                             method="formula: 34·b·s·h bytes per layer (the forward could not run on meta)")
+
+
+# ---- the plan ------------------------------------------------------------------------------------------
+
+
+def _unit_bytes(plan: ShardingPlan, mp_dtype: Optional[torch.dtype]) -> list[tuple[bool, int, int]]:
+    """(is_root, gathered bytes in compute dtype, trainable padded numel) per unit."""
+    out = []
+    for u in plan.units:
+        gathered = 0
+        trainable = 0
+        for g in u.groups:
+            compute = mp_dtype if (mp_dtype is not None and g.dtype.is_floating_point) else g.dtype
+            gathered += g.padded_numel * compute.itemsize
+            if g.requires_grad:
+                trainable += g.padded_numel
+        out.append((u.is_root, gathered, trainable))
+    return out
+
+
+def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryPlan:
+    """The per-rank memory plan for ``inputs`` (see the module docstring for what is counted)."""
+    cache = _cache if _cache is not None else {}
+    strategy = Strategy.parse(inputs.sharding_strategy)
+    if ("model", inputs.model, inputs.dtype) not in cache:
+        cache[("model", inputs.model, inputs.dtype)] = build_meta_model(inputs)
+    spec, model, units = cache[("model", inputs.model, inputs.dtype)]
+    shard_size = shard_size_for(strategy, inputs.world_size, inputs.ranks_per_node)
+    plan = build_plan(model, units, shard_size)
+    mp_dtype = _DTYPES[inputs.mixed_precision]
+
+    param_shard = grad_shard = 0
+    for g in plan.groups():
+        nbytes = g.shard_numel * g.dtype.itemsize
+        param_shard += nbytes
+        if g.requires_grad:
+            grad_shard += nbytes
+    optim_shard = ADAM_STATES * grad_shard
+    num_params = sum(p.numel for p in plan.params())
+    param_bytes = sum(p.numel * p.dtype.itemsize for p in plan.params())
+
+    per_unit = _unit_bytes(plan, mp_dtype)
+    blocks = sorted((b for is_root, b, _ in per_unit if not is_root), reverse=True)
+    root = next(b for is_root, b, _ in per_unit if is_root)
+    largest = blocks[0] if blocks else 0
+    prefetched = blocks[1] if len(blocks) > 1 else 0
+    aliases = shard_size == 1 and mp_dtype is None and not inputs.cpu_offload  # gathered buffer is the shard
+    if aliases:
+        gathered = 0
+    elif strategy.reshard_after_forward:
+        gathered = root + largest + prefetched
+    else:
+        gathered = sum(b for _, b, _ in per_unit)  # kept gathered from forward to backward
+
+    reduce_dtype = torch.float32 if mp_dtype is not None else _MASTER[inputs.dtype]
+    compute_itemsize = (mp_dtype or _MASTER[inputs.dtype]).itemsize
+
+    def reduce_bytes(trainable_numel: int) -> int:
+        # A unit's post-backward holds its parameters' gradients (compute dtype) while packing them into
+        # the flat buffer of the reduce-scatter (reduce dtype); with one rank that flat buffer *is* the
+        # gradient shard, counted with the shards.
+        return trainable_numel * (compute_itemsize + (reduce_dtype.itemsize if shard_size > 1 else 0))
+
+    block_trainable = max((t for is_root, _, t in per_unit if not is_root), default=0)
+    root_trainable = next(t for is_root, _, t in per_unit if is_root)
+    grad_reduce = reduce_bytes(max(block_trainable, root_trainable))
+    # gloo (CPU) stages every all-gather / reduce-scatter through a temporary buffer the size of the full
+    # flat buffer (measured: +32 MiB for a 32 MiB reduce-scatter at 2 and 4 ranks); its worker runs one
+    # collective at a time. NCCL works in place.
+    def scratch_for(gathered_bytes: int, trainable_numel: int) -> int:
+        if inputs.device != "cpu" or shard_size == 1:
+            return 0
+        return max(gathered_bytes, trainable_numel * reduce_dtype.itemsize)
+
+    scratch = scratch_for(max(largest, root), max(block_trainable, root_trainable))
+
+    key = ("act", inputs.model, inputs.dtype, inputs.mixed_precision, inputs.batch_size, inputs.seq_len,
+           inputs.auto_wrap, inputs.transformer_layer_cls_to_wrap)
+    if key not in cache:
+        unit_modules = [u.module for u in plan.units if not u.is_root]
+        try:
+            cache[key] = profile_activations(spec, model, unit_modules, inputs.batch_size, inputs.seq_len, mp_dtype)
+        except Exception:  # a forward that cannot run on meta (data-dependent code): fall back to the formula
+            cache[key] = formula_activations(spec, len(unit_modules), inputs.batch_size, inputs.seq_len,
+                                             (mp_dtype or _MASTER[inputs.dtype]).itemsize)
+    prof = cache[key]
+    activations = prof.peak(inputs.activation_checkpointing)
+
+    # [Note: three peaks] (1) Early in backward: every activation is still saved, the optimizer state
+    # exists (from the previous step) but gradients were freed by zero_grad(set_to_none=True) and come back
+    # only as activations go. A block's gradient-reduction buffers appear once that block's activations are
+    # freed, so only what exceeds them adds up. (2) The end of backward: the root unit (embeddings, head)
+    # reduces last, when activations are gone and nearly every gradient shard exists. (3) The optimizer
+    # step: shards, gradients, AdamW state and the step's temporaries.
+    offload = inputs.cpu_offload
+    device_shards = 0 if offload else param_shard + optim_shard
+    device_grads = 0 if offload else grad_shard
+    unit_saved = max(prof.unit_saved, default=0) if not inputs.activation_checkpointing else 0
+    block_reduce = reduce_bytes(block_trainable) + scratch_for(largest, block_trainable)
+    backward_peak = device_shards + gathered + activations + max(0, block_reduce - unit_saved)
+    root_reduce = reduce_bytes(root_trainable) + scratch_for(root, root_trainable)
+    end_of_backward_peak = device_shards + device_grads + (0 if aliases else root) + root_reduce
+    backward_peak = max(backward_peak, end_of_backward_peak)
+    # AdamW's temporaries: on CUDA the foreach path allocates a denominator for the whole parameter group;
+    # on CPU the per-tensor path allocates one for one (the largest) shard at a time.
+    largest_shard = max((g.shard_numel * g.dtype.itemsize for g in plan.groups() if g.requires_grad), default=0)
+    step_temp = grad_shard if inputs.device == "cuda" else largest_shard
+    step_peak = 0 if offload else param_shard + grad_shard + optim_shard + step_temp
+    total = max(backward_peak, step_peak)
+    offloaded = param_shard + grad_shard + optim_shard if offload else 0
+    return MemoryPlan(
+        model=spec.name, num_params=num_params, world_size=inputs.world_size, shard_size=shard_size,
+        sharding_strategy=strategy.value, mixed_precision=inputs.mixed_precision, cpu_offload=inputs.cpu_offload,
+        activation_checkpointing=inputs.activation_checkpointing, batch_size=inputs.batch_size,
+        seq_len=inputs.seq_len, num_units=len(plan.units), param_bytes=param_bytes,
+        param_shard_bytes=param_shard, grad_shard_bytes=grad_shard, optim_shard_bytes=optim_shard,
+        gathered_unit_bytes=largest, prefetched_unit_bytes=prefetched, root_unit_bytes=root,
+        gathered_bytes=gathered, grad_reduce_bytes=grad_reduce, collective_scratch_bytes=scratch,
+        activation_bytes=activations, activation_method=prof.method,
+        backward_peak_bytes=backward_peak, optimizer_step_peak_bytes=step_peak,
+        device_bytes_offloaded=offloaded, total_bytes=total)
+
+
+def suggest(inputs: PlanInputs, budget: int, cache: dict) -> list[str]:
+    """Configurations close to ``inputs`` that fit in ``budget`` bytes per rank: each combination of bf16,
+    activation checkpointing and CPU offload, at this world size or the fewest doublings of it that fit."""
+    from dataclasses import replace
+
+    combos: list[tuple[str, dict]] = [("", {})]
+    if inputs.mixed_precision == "no":
+        combos.append(("--mixed-precision bf16", {"mixed_precision": "bf16"}))
+    if not inputs.activation_checkpointing:
+        combos.append(("--activation-checkpointing", {"activation_checkpointing": True}))
+    if len(combos) == 3:
+        combos.append(("--mixed-precision bf16 --activation-checkpointing",
+                       {"mixed_precision": "bf16", "activation_checkpointing": True}))
+    if not inputs.cpu_offload:
+        combos += [(f"{label} --cpu-offload".strip(), {**changes, "cpu_offload": True}) for label, changes in combos]
+    if Strategy.parse(inputs.sharding_strategy) in (Strategy.NO_SHARD, Strategy.SHARD_GRAD_OP):
+        combos = [(f"--sharding-strategy full_shard {label}".strip(), {**changes, "sharding_strategy": "full_shard"})
+                  for label, changes in combos] + combos
+    out = []
+    for label, changes in combos:
+        alt = replace(inputs, **changes)
+        for _ in range(17):  # this world size, then doublings up to 65,536x
+            p = plan_memory(alt, _cache=cache)
+            if p.total_bytes <= budget:
+                ranks = f"--world-size {alt.world_size}" if alt.world_size != inputs.world_size else ""
+                text = " ".join(t for t in (ranks, label) if t)
+                if text:
+                    out.append((alt.world_size, len(changes), f"{text}: {fmt_bytes(p.total_bytes)} per rank"))
+                break
+            if p.shard_size == 1 and alt.world_size > 1:
+                break  # no_shard: more ranks shrink nothing
+            alt = replace(alt, world_size=alt.world_size * 2)
+    out.sort()  # fewest ranks first, then fewest changes
+    return [text for _, _, text in out[:6]]
+
+
+# ---- formatting and the command line -------------------------------------------------------------------
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{int(n)} B"
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'80GB', '80G' (10^9), '24GiB' (2^30), '512MiB', or plain bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"cannot read a memory size from {text!r}; examples: 80GB, 24GiB, 512MiB")
+    value, unit = float(m.group(1)), (m.group(2) or "").lower()
+    power = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}[unit[:1] if unit[:1] in "kmgt" else ""]
+    base = 1024 if "i" in unit else 1000
+    return int(value * base**power)
+
+
+def render(p: MemoryPlan) -> str:
+    rows = [
+        f"memory plan per rank: {p.model} ({p.num_params / 1e9:.3f}B params, {fmt_bytes(p.param_bytes)} of weights) "
+        f"on {p.world_size} rank(s)",
+        f"  {p.sharding_strategy}, shard group of {p.shard_size}, {p.num_units} units, mixed_precision={p.mixed_precision}, "
+        f"cpu_offload={p.cpu_offload}, activation_checkpointing={p.activation_checkpointing}, "
+        f"batch {p.batch_size} x seq {p.seq_len} per rank",
+        f"  {'parameter shards':<34}{fmt_bytes(p.param_shard_bytes):>14}",
+        f"  {'gradient shards':<34}{fmt_bytes(p.grad_shard_bytes):>14}",
+        f"  {'optimizer shards (AdamW)':<34}{fmt_bytes(p.optim_shard_bytes):>14}",
+        f"  {'largest unit, gathered':<34}{fmt_bytes(p.gathered_unit_bytes):>14}",
+        f"  {'prefetched unit, gathered':<34}{fmt_bytes(p.prefetched_unit_bytes):>14}",
+        f"  {'root unit (stays gathered)':<34}{fmt_bytes(p.root_unit_bytes):>14}",
+        f"  {'  -> gathered at the peak':<34}{fmt_bytes(p.gathered_bytes):>14}",
+        f"  {'gradient reduction buffers':<34}{fmt_bytes(p.grad_reduce_bytes):>14}",
+        f"  {'collective scratch (gloo)':<34}{fmt_bytes(p.collective_scratch_bytes):>14}",
+        f"  {'activations':<34}{fmt_bytes(p.activation_bytes):>14}   ({p.activation_method})",
+        f"  {'peak in backward':<34}{fmt_bytes(p.backward_peak_bytes):>14}",
+        f"  {'peak at the optimizer step':<34}{fmt_bytes(p.optimizer_step_peak_bytes):>14}",
+    ]
+    if p.cpu_offload:
+        rows.append(f"  {'offloaded to CPU memory':<34}{'-' + fmt_bytes(p.device_bytes_offloaded):>14}")
+    rows.append(f"  {'total per rank (the larger peak)':<34}{fmt_bytes(p.total_bytes):>14}")
+    if p.fits is not None:
+        verdict = "fits" if p.fits else "does NOT fit"
+        rows.append(f"{verdict} in --device-memory {fmt_bytes(p.device_memory_bytes)}")
+        if not p.fits:
+            rows += ["what would fit:"] + [f"  {s}" for s in p.suggestions] if p.suggestions else \
+                ["nothing close fits: try a smaller model or a shorter --seq-len"]
+    return "\n".join(rows)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    from shardwise.trainer.config import CHOICES, TrainConfig
+
+    d = TrainConfig()
+    ap = argparse.ArgumentParser(prog="shardwise estimate-memory",
+                                 description="Per-rank memory plan of a training configuration, from shardwise's own "
+                                             "sharding plan on meta tensors (no processes, no memory).")
+    ap.add_argument("--model", required=True, help="GPT preset or PATH/config.json (Hugging Face causal LM)")
+    ap.add_argument("--world-size", type=int, required=True, help="number of ranks")
+    ap.add_argument("--sharding-strategy", default="full_shard", choices=CHOICES["sharding_strategy"])
+    ap.add_argument("--mixed-precision", default="no", choices=CHOICES["mixed_precision"])
+    ap.add_argument("--cpu-offload", action="store_true")
+    ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--batch-size", type=int, default=d.batch_size, help="per rank (default: the trainer's)")
+    ap.add_argument("--seq-len", type=int, default=d.seq_len, help="(default: the trainer's)")
+    ap.add_argument("--dtype", default="fp32", choices=tuple(_MASTER), help="master weight dtype")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="where training runs: cuda (NCCL) or cpu (gloo, which adds collective scratch buffers)")
+    ap.add_argument("--ranks-per-node", type=int, default=8, help="shard group size of the hybrid strategies")
+    ap.add_argument("--transformer-layer-cls-to-wrap", default="", help="comma-separated unit class names")
+    ap.add_argument("--device-memory", default=None, help="say whether the plan fits, e.g. 80GB or 24GiB")
+    ap.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = make_parser().parse_args(argv)
+    if args.world_size < 1 or args.batch_size < 1 or args.seq_len < 1:
+        print("error: --world-size, --batch-size and --seq-len must be >= 1", file=sys.stderr)
+        return 2
+    inputs = PlanInputs(
+        model=args.model, world_size=args.world_size, sharding_strategy=args.sharding_strategy,
+        mixed_precision=args.mixed_precision, cpu_offload=args.cpu_offload,
+        activation_checkpointing=args.activation_checkpointing, batch_size=args.batch_size, seq_len=args.seq_len,
+        dtype=args.dtype, ranks_per_node=args.ranks_per_node, device=args.device,
+        transformer_layer_cls_to_wrap=tuple(c.strip() for c in args.transformer_layer_cls_to_wrap.split(",") if c.strip()))
+    from shardwise.trainer.model_factory import ModelError
+
+    cache: dict = {}
+    try:
+        budget = parse_size(args.device_memory) if args.device_memory else None
+        plan = plan_memory(inputs, _cache=cache)
+        if budget is not None:
+            plan.device_memory_bytes = budget
+            plan.fits = plan.total_bytes <= budget
+            if not plan.fits:
+                plan.suggestions = suggest(inputs, budget, cache)
+    except (ModelError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(asdict(plan), indent=2) if args.json else render(plan))
+    return 0

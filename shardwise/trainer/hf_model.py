@@ -1,0 +1,106 @@
+"""Hugging Face causal LMs from a ``config.json`` alone: random init, no weights downloaded, ever.
+
+Small models are built eagerly (``AutoModelForCausalLM.from_config``). Large ones are built on the meta
+device and materialised shard by shard inside ``shardwise.shard`` through ``param_init_fn``, so no rank ever
+holds the whole model.
+
+[Note: HF init on meta] ``shard`` calls ``param_init_fn(module)`` for every module that owns parameters
+(or meta buffers), with that module's parameters swapped for fresh full tensors. HF initialises from the
+*model*: ``model._init_weights(m)`` for every module, children before parents, and a parent may re-init a
+child's weight (GPT-2 scales ``c_proj`` from ``GPT2Attention``). So for a module we call ``_init_weights``
+on it and then on each of its ancestors, nearest first: the last writer of each of its parameters is the
+same as in HF's own pass. Writes to other modules' parameters land on meta tensors and cost nothing.
+Buffers such as rotary ``inv_freq`` are recomputed by ``_init_weights`` too; plain tensor attributes still
+on meta (``original_inv_freq``) are allocated first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+
+class HFConfigError(ValueError):
+    """A config.json that cannot be built as a causal LM."""
+
+
+def load_hf_config(path: str):
+    """An ``AutoConfig`` from a local config.json (or a directory holding one); never touches the network."""
+    try:
+        from transformers import AutoConfig
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise HFConfigError("--model PATH/config.json needs the transformers package: pip install transformers") from e
+    cfg_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(cfg_file) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise HFConfigError(f"cannot read Hugging Face config {cfg_file!r}: {e}") from None
+    model_type = raw.pop("model_type", None)
+    if not model_type:
+        raise HFConfigError(f"{cfg_file!r} has no 'model_type' (llama, qwen2, mistral, gpt2, ...)")
+    try:
+        return AutoConfig.for_model(model_type, **raw)
+    except (ValueError, KeyError) as e:
+        raise HFConfigError(f"{cfg_file!r}: transformers does not know model_type {model_type!r}: {e}") from None
+
+
+def build_hf_model(config, device: torch.device | str = "cpu") -> nn.Module:
+    """A randomly initialised causal LM for ``config``, on ``device`` ('meta' allocates nothing)."""
+    from transformers import AutoModelForCausalLM
+
+    # SDPA attention: memory-efficient on CPU and GPU, and the attention shardwise's planner models.
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model.config.use_cache = False  # training: no KV cache kept alive between micro-batches
+    return model
+
+
+def make_param_init_fn(model: nn.Module, device: torch.device) -> Callable[[nn.Module], None]:
+    """``param_init_fn`` for ``shardwise.shard`` on a meta-built HF model; see the Note at the top."""
+    parents: dict[int, Optional[nn.Module]] = {id(model): None}
+    for m in model.modules():
+        for child in m.children():
+            parents.setdefault(id(child), m)
+    init_weights = getattr(model, "_init_weights")
+
+    @torch.no_grad()
+    def init(module: nn.Module) -> None:
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and value.is_meta and not isinstance(value, nn.Parameter):
+                setattr(module, name, torch.empty_like(value, device=device))
+        chain = [module]
+        while parents.get(id(chain[-1])) is not None:
+            chain.append(parents[id(chain[-1])])
+        for m in chain:
+            init_weights(m)
+
+    return init
+
+
+def hf_num_layers(config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for k in ("num_hidden_layers", "n_layer", "num_layers"):
+        if getattr(text, k, None):
+            return int(getattr(text, k))
+    return 0
+
+
+def hf_hidden_size(config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for k in ("hidden_size", "n_embd", "d_model"):
+        if getattr(text, k, None):
+            return int(getattr(text, k))
+    return 0
+
+
+def hf_max_positions(config) -> Optional[int]:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for k in ("max_position_embeddings", "n_positions", "n_ctx"):
+        if getattr(text, k, None):
+            return int(getattr(text, k))
+    return None

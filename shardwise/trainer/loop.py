@@ -1,0 +1,221 @@
+"""One rank's training run: build and shard the model, then step, log, evaluate and checkpoint.
+
+Order of events per optimizer step (every rank, same order: the collectives must line up)::
+
+    micro-batches 1..k-1   forward + backward under shardwise.no_sync (gradients kept locally, no traffic)
+    micro-batch k          forward + backward (reduce-scatter of the accumulated gradients)
+    clip_grad_norm_        one all-reduce of the squared norm
+    optimizer.step         on the local shards only
+    every log_every        two tiny all-reduces (loss sum, peak memory)
+    every eval_every       validation forwards (all-gathers), one all-reduce of the loss
+    every save_every       a checkpoint (collective)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.elastic.multiprocessing.errors import record
+
+import shardwise
+from shardwise.api import runtime_of
+from shardwise.trainer import config as config_mod
+from shardwise.trainer import launch, metrics, plot, schedule, state
+from shardwise.trainer.config import TrainConfig
+from shardwise.trainer.data import BYTE_VOCAB, BatchSampler, open_splits
+from shardwise.trainer.model_factory import ModelSpec, lm_loss, resolve_model
+
+_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def mixed_precision_of(name: str) -> Optional[shardwise.MixedPrecision]:
+    dtype = _DTYPES[name]
+    return None if dtype is None else shardwise.MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def build_sharded_model(cfg: TrainConfig, spec: ModelSpec, device: torch.device) -> nn.Module:
+    """Build (eagerly, or on meta for big HF models) and shard. Same seed on every rank, so an eager build
+    is identical everywhere and a meta build initialises every shard consistently."""
+    torch.manual_seed(cfg.seed)
+    meta_model = spec.build("meta")
+    on_meta = spec.build_on_meta(spec.num_params(meta_model))
+    model = meta_model if on_meta else spec.build("cpu")
+    del meta_model
+    units = spec.units(model, cfg.auto_wrap, cfg.transformer_layer_cls_to_wrap)
+    return shardwise.shard(
+        model,
+        units=units,
+        strategy=cfg.sharding_strategy,
+        mixed_precision=mixed_precision_of(cfg.mixed_precision),
+        offload=shardwise.CPUOffload() if cfg.cpu_offload else None,
+        param_init_fn=spec.param_init_fn(model, device) if on_meta else None,
+        device=device,
+        activation_checkpointing=cfg.activation_checkpointing,
+    )
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over the local shards; weight decay only on shards of matrices (judged by the original shape,
+    since every shard is 1-D)."""
+    decay, no_decay = [], []
+    for unit in runtime_of(model).units:
+        for group in unit.groups:
+            for spec, p in zip(group.plan.params, group.shard_params):
+                if p.requires_grad:
+                    (decay if len(spec.shape) >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, spec: ModelSpec, sampler: BatchSampler, batches: int, device: torch.device) -> float:
+    """Mean validation loss over every rank's fixed validation batches (collective)."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for x, y in sampler.fixed_batches(batches):
+        total[0] += lm_loss(spec, model, x.to(device), y.to(device)).double()
+        total[1] += 1
+    model.train()
+    if dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return float(total[0] / total[1])
+
+
+def check_model_fits_data(cfg: TrainConfig, spec: ModelSpec, max_token: int) -> None:
+    if spec.max_seq_len is not None and cfg.seq_len > spec.max_seq_len:
+        raise config_mod.ConfigError(
+            f"seq_len={cfg.seq_len} is longer than {spec.name}'s {spec.max_seq_len} positions; use --seq-len "
+            f"{spec.max_seq_len} or less")
+    if max_token >= spec.vocab_size:
+        raise config_mod.ConfigError(f"the data holds token id {max_token} but {spec.name}'s vocabulary has "
+                                     f"{spec.vocab_size} entries (byte-level data needs >= {BYTE_VOCAB})")
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train on this rank (the process group is up). Returns a summary (rank 0's is complete)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    spec = resolve_model(cfg.model)
+    seed_everything(cfg.seed)
+    os.makedirs(cfg.out, exist_ok=True)
+
+    train_stream, val_stream = open_splits(cfg.data, cfg.val_fraction)
+    train_data = BatchSampler(train_stream, cfg.seq_len, cfg.batch_size, rank, world, cfg.seed, stream_id=0)
+    val_data = BatchSampler(val_stream, cfg.seq_len, cfg.batch_size, rank, world, cfg.seed, stream_id=1)
+    check_model_fits_data(cfg, spec, max(train_data.max_token(), val_data.max_token()))
+
+    model = build_sharded_model(cfg, spec, device)
+    num_params = sum(s.numel for s in runtime_of(model).plan.params())
+    optimizer = build_optimizer(model, cfg)
+    start_step, note = state.restore_training_state(cfg.out, cfg.resume, model, optimizer, seed=cfg.seed,
+                                                    train_tokens=len(train_stream))
+
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.gradient_accumulation_steps * world
+    log = metrics.MetricsLogger(
+        cfg.out, total_steps=cfg.steps, start_step=start_step, tokens_per_step=tokens_per_step,
+        flops_per_token=spec.flops_per_token(num_params, cfg.seq_len),
+        peak_tflops=metrics.peak_tflops_per_rank(device, torch.get_num_threads(), cfg.peak_tflops),
+        device=device, progress=cfg.progress, fresh=start_step == 0)
+    log.write(f"shardwise train | model {spec.name} ({num_params / 1e6:.2f}M params) | {world} rank(s), "
+              f"{dist.get_backend()}, {cfg.sharding_strategy} | data {cfg.data}: {len(train_stream):,} train / "
+              f"{len(val_stream):,} val tokens | {tokens_per_step:,} tokens/step | run dir {cfg.out}")
+    if note:
+        log.write(f"resume: {note}")
+    if start_step == 0 and rank == 0 and any(n.startswith("step-") for n in os.listdir(cfg.out)):
+        log.write(f"note: {cfg.out} already holds checkpoints and this run starts fresh (no --resume): "
+                  f"they will be overwritten step by step; pass --resume latest to continue instead")
+    if start_step:
+        log.write(f"resumed at step {start_step}")
+
+    summary: dict[str, Any] = {"start_step": start_step, "val_losses": []}
+    if start_step == 0 and cfg.eval_every:
+        # The starting point of both curves: fixed batches of each split (training steps draw steps >= 1).
+        v = evaluate(model, spec, val_data, cfg.eval_batches, device)
+        t = evaluate(model, spec, train_data, cfg.eval_batches, device)
+        summary["val_losses"].append((0, v))
+        log.write(f"step 0 | loss {t:.4f} | val_loss {v:.4f}")
+        log.append({"step": 0, "loss": t, "val_loss": v, "time": time.time()})
+
+    grad_norm = float("nan")
+    lr = 0.0
+    accum = cfg.gradient_accumulation_steps
+    clip_to = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
+    t_start = time.perf_counter()
+    for step in range(start_step + 1, cfg.steps + 1):
+        lr = schedule.lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps,
+                            schedule=cfg.lr_schedule, min_lr_ratio=cfg.min_lr_ratio)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        step_loss = 0.0
+        for micro in range(accum):
+            x, y = train_data.batch(step, micro)
+            with shardwise.no_sync(model) if micro < accum - 1 else nullcontext():
+                loss = lm_loss(spec, model, x.to(device), y.to(device)) / accum
+                loss.backward()
+            step_loss += float(loss.detach())
+        grad_norm = float(shardwise.clip_grad_norm_(model, clip_to))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        log.add_step(step_loss)
+
+        last = step == cfg.steps
+        val = None
+        if cfg.eval_every and (step % cfg.eval_every == 0 or last):
+            val = evaluate(model, spec, val_data, cfg.eval_batches, device)
+            summary["val_losses"].append((step, val))
+        if step % cfg.log_every == 0 or last or val is not None:
+            log.log(step, grad_norm=grad_norm, lr=lr, val_loss=val)
+        if (cfg.save_every and step % cfg.save_every == 0) or last:
+            path = state.save_training_state(cfg.out, model, optimizer, step=step, seed=cfg.seed,
+                                             train_tokens=len(train_stream))
+            if last:
+                summary["checkpoint"] = str(path)
+    log.close()
+    summary["train_seconds"] = time.perf_counter() - t_start
+    summary["final_step"] = cfg.steps
+    summary["grad_norm"] = grad_norm
+    if rank == 0:
+        png = os.path.join(cfg.out, "metrics.png")
+        plot.plot_metrics(log.path, png, title=f"{spec.name} | {world} ranks | {cfg.sharding_strategy}")
+        summary["metrics_png"] = png
+        vals = summary["val_losses"]
+        if vals:
+            print(f"validation loss {vals[0][1]:.4f} (step {vals[0][0]}) -> {vals[-1][1]:.4f} (step {vals[-1][0]}) | "
+                  f"checkpoint {summary.get('checkpoint')} | {png}", flush=True)
+    return summary
+
+
+@record  # a failing rank's traceback reaches the launcher's error report
+def train_worker(cfg_values: dict[str, Any]) -> dict[str, Any]:
+    """Entry point of one rank (module-level so the elastic launcher can pickle it)."""
+    cfg = TrainConfig(**cfg_values)
+    launch.init_worker(cfg.backend, cfg.timeout_s, cfg.threads_per_rank)
+    try:
+        return train(cfg)
+    finally:
+        sys.stdout.flush()
+        launch.shutdown_worker()
+
+
+def run(cfg: TrainConfig) -> dict[int, Any]:
+    """Save the resolved config and run every rank (launching them unless torchrun already did)."""
+    if not launch.under_torchrun() or int(os.environ.get("RANK", "0")) == 0:
+        config_mod.save(cfg, cfg.out)
+    return launch.launch(train_worker, dataclasses.asdict(cfg), cfg.nproc)

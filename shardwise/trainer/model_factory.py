@@ -1,0 +1,133 @@
+"""From ``--model`` (a GPT preset or a Hugging Face config.json) to what the trainer and the memory planner
+need: a builder (on any device, meta included), the sharding units, an init function for meta builds, the
+loss, and the numbers the metrics line uses (parameter count, FLOPs per token)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardwise.models.gpt import GPT, PRESETS, Block, GPTConfig
+from shardwise.trainer import hf_model
+
+# Hugging Face models above this many parameters are built on the meta device and materialised shard by
+# shard; below it an eager build is cheaper than the bookkeeping and exercises HF's own init directly.
+META_BUILD_MIN_PARAMS = 200_000_000
+
+
+class ModelError(ValueError):
+    """A --model value that names no preset and no usable config.json."""
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    kind: str  # "gpt" or "hf"
+    config: object  # GPTConfig or a transformers PretrainedConfig
+    vocab_size: int
+    max_seq_len: Optional[int]
+    n_layer: int
+    hidden: int
+
+    def build(self, device: torch.device | str = "cpu") -> nn.Module:
+        """The model with random weights on ``device`` ('meta': shapes only)."""
+        if self.kind == "gpt":
+            with torch.device(device):
+                return GPT(self.config)
+        return hf_model.build_hf_model(self.config, device)
+
+    def param_init_fn(self, model: nn.Module, device: torch.device) -> Optional[Callable[[nn.Module], None]]:
+        """What ``shard`` calls per module of a meta-built model (None: the modules' reset_parameters)."""
+        return None if self.kind == "gpt" else hf_model.make_param_init_fn(model, device)
+
+    def default_block_classes(self, model: nn.Module) -> set[type]:
+        """The transformer block class(es): GPT's Block, or the HF model's ``_no_split_modules``."""
+        if self.kind == "gpt":
+            return {Block}
+        names = set(getattr(model, "_no_split_modules", None) or [])
+        return {type(m) for m in model.modules() if type(m).__name__ in names}
+
+    def units(self, model: nn.Module, auto_wrap: str, cls_names: list[str]):
+        """The ``units=`` argument for ``shardwise.shard`` from the Accelerate-style wrap settings."""
+        if auto_wrap == "no_wrap":
+            return None
+        if cls_names:
+            present = {type(m).__name__: type(m) for m in model.modules()}
+            missing = [n for n in cls_names if n not in present]
+            if missing:
+                raise ModelError(f"transformer_layer_cls_to_wrap: {', '.join(missing)} not in {type(model).__name__}; "
+                                 f"module classes present: {', '.join(sorted(present))}")
+            return {present[n] for n in cls_names}
+        return self.default_block_classes(model) or "auto"
+
+    def num_params(self, model: nn.Module) -> int:
+        seen, total = set(), 0
+        for p in model.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+        return total
+
+    def flops_per_token(self, num_params: int, seq_len: int) -> float:
+        """Training FLOPs per token: 6N for the matmuls forward and backward plus 12·L·H·T for attention
+        (the PaLM / torchtitan formula)."""
+        return 6.0 * num_params + 12.0 * self.n_layer * self.hidden * seq_len
+
+    def build_on_meta(self, num_params: int) -> bool:
+        """GPT presets always: their meta init reproduces the eager init exactly, and no rank then ever holds
+        the whole model. Hugging Face models from META_BUILD_MIN_PARAMS up."""
+        return self.kind == "gpt" or num_params >= META_BUILD_MIN_PARAMS
+
+
+def resolve_model(name: str) -> ModelSpec:
+    """A preset name or a path to a Hugging Face config.json -> ModelSpec (nothing allocated)."""
+    if name in PRESETS:
+        cfg = GPTConfig(**PRESETS[name])
+        return ModelSpec(name, "gpt", cfg, cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_embd)
+    if name.endswith(".json") or os.path.isdir(name) or os.path.sep in name:
+        if not os.path.exists(name):
+            raise ModelError(f"model config {name!r} does not exist")
+        gpt = _shardwise_gpt_config(name)
+        if gpt is not None:
+            return ModelSpec(os.path.basename(name), "gpt", gpt, gpt.vocab_size, gpt.block_size, gpt.n_layer, gpt.n_embd)
+        try:
+            cfg = hf_model.load_hf_config(name)
+        except hf_model.HFConfigError as e:
+            raise ModelError(str(e)) from None
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        return ModelSpec(f"{cfg.model_type}:{os.path.basename(os.path.normpath(name))}", "hf", cfg,
+                         int(text.vocab_size), hf_model.hf_max_positions(cfg), hf_model.hf_num_layers(cfg),
+                         hf_model.hf_hidden_size(cfg))
+    raise ModelError(f"unknown model {name!r}; valid: {', '.join(PRESETS)}, or a path to a Hugging Face config.json")
+
+
+def _shardwise_gpt_config(path: str) -> Optional[GPTConfig]:
+    """A config.json with ``"model_type": "shardwise-gpt"`` and GPTConfig fields: a GPT of any shape."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(raw, dict) or raw.get("model_type") != "shardwise-gpt":
+        return None
+    fields = {k: v for k, v in raw.items() if k != "model_type"}
+    try:
+        return GPTConfig(**fields)
+    except TypeError as e:
+        raise ModelError(f"{path}: {e}; GPTConfig fields: {', '.join(GPTConfig.__dataclass_fields__)}") from None
+
+
+def lm_loss(spec: ModelSpec, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32. ``targets`` are already shifted (targets[t] = inputs[t + 1])."""
+    if spec.kind == "gpt":
+        return model(inputs, targets).loss
+    logits = model(input_ids=inputs, use_cache=False).logits  # (B, T, vocab)
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
