@@ -1,6 +1,7 @@
 """shardwise: fully sharded data parallel training for PyTorch."""
 
 from shardwise.api import clip_grad_norm_, no_sync, shard
+from shardwise.checkpoint import CheckpointManager, export_checkpoint, load_checkpoint, save_checkpoint
 from shardwise.errors import ShardwiseError
 from shardwise.mixed_precision import MixedPrecision
 from shardwise.offload import CPUOffload
@@ -15,6 +16,10 @@ __all__ = [
     "clip_grad_norm_",
     "full_state_dict",
     "load_full_state_dict",
+    "save_checkpoint",
+    "load_checkpoint",
+    "CheckpointManager",
+    "export_checkpoint",
     "MixedPrecision",
     "CPUOffload",
     "Strategy",

@@ -1,0 +1,53 @@
+"""Where a sharded model's state lives: its unique parameters with their flat groups, the optimizer's
+parameters by name, and the persistent buffers. Names, not object identities, are what a checkpoint
+records, so that a differently sharded model can find its pieces again."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from shardwise.errors import ShardwiseError
+from shardwise.flat_buffer import FlatGroup
+from shardwise.plan import ParamSpec
+
+
+def unique_params(rt) -> Iterator[tuple[ParamSpec, FlatGroup, int]]:
+    """Every parameter once (tied ones under their first name), with its flat group and index in it."""
+    for unit in rt.units:
+        for group in unit.groups:
+            for i, spec in enumerate(group.plan.params):
+                yield spec, group, i
+
+
+def optimizer_param_names(rt, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """id(shard parameter) -> fqn, for every parameter the optimizer holds (all must be the model's)."""
+    by_id = {id(group.shard_params[i]): spec.fqn for spec, group, i in unique_params(rt)}
+    out = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in by_id:
+                retired = getattr(p, "_shardwise_retired", None)
+                hint = (f" (parameter {retired!r} from before shardwise.shard(); build the optimizer after shard())"
+                        if retired else "")
+                raise ShardwiseError(f"{type(optimizer).__name__}.param_groups[{gi}] holds a tensor of shape "
+                                     f"{tuple(p.shape)} that is not a shard parameter of this model{hint}")
+            out[id(p)] = by_id[id(p)]
+    return out
+
+
+def persistent_buffers(model: nn.Module, rt) -> list[tuple[str, torch.Tensor]]:
+    """(fqn, tensor) for the buffers ``state_dict()`` would save, in state-dict order."""
+    keys = set(rt.state_dict_keys)
+    out, seen = [], set()
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for n, b in mod._buffers.items():
+            fqn = f"{mod_name}.{n}" if mod_name else n
+            if b is not None and fqn in keys and fqn not in seen and n not in mod._non_persistent_buffers_set:
+                seen.add(fqn)
+                out.append((fqn, b))
+    order = {k: i for i, k in enumerate(rt.state_dict_keys)}
+    out.sort(key=lambda kv: order[kv[0]])
+    return out
