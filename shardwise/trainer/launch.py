@@ -44,8 +44,23 @@ def init_worker(backend: str, timeout_s: float, threads_per_rank: int) -> torch.
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        _join_process_group(backend, timedelta(seconds=timeout_s))
     return device
+
+
+def _join_process_group(backend: str, timeout: timedelta) -> None:
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torch 2.13: torchrun's agent store outlives a restart, and gloo's connectFullMesh would read the
+        # dead workers' addresses from it ("Connection refused"). Each attempt gets its own key prefix.
+        store = dist.PrefixStore(
+            f"shardwise/attempt_{restart}",
+            dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout),
+        )
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
 
 
 def shutdown_worker() -> None:
