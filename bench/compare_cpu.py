@@ -49,6 +49,9 @@ sys.path.insert(0, str(REPO_ROOT))
 from shardwise.models import GPT, PRESETS, Block, GPTConfig  # noqa: E402  (needs the sys.path line above)
 
 ALL_IMPLS = ("shardwise", "fsdp2", "fsdp1", "ddp", "deepspeed")
+# Ablations of shardwise, not run by default: the collective fingerprint check off, and gloo's own
+# all-gather / reduce-scatter instead of the all-reduce substitutes (see shardwise/collectives.py).
+ABLATIONS = ("shardwise-nocheck", "shardwise-nativecoll")
 BASELINE_IMPL = "fsdp2"  # ratios in the table are relative to this one
 
 # Per-preset (sequence length, per-rank batch): the shapes measured in shared/REFERENCE.md.
@@ -127,6 +130,14 @@ def setup_shardwise(model: nn.Module, spec: RunSpec) -> StepFn:
     return plain_step(model, torch.optim.AdamW(model.parameters(), lr=spec.lr))
 
 
+def setup_shardwise_ablation(env: dict[str, str]) -> Callable[[nn.Module, RunSpec], StepFn]:
+    def setup(model: nn.Module, spec: RunSpec) -> StepFn:
+        os.environ.update(env)  # read by shardwise at shard() time and at its first collective
+        return setup_shardwise(model, spec)
+
+    return setup
+
+
 def setup_fsdp2(model: nn.Module, spec: RunSpec) -> StepFn:
     # fully_shard's default mesh is on the accelerator when there is one; the model lives on CPU here.
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -187,6 +198,8 @@ SETUPS: dict[str, Callable[[nn.Module, RunSpec], StepFn]] = {
     "fsdp1": setup_fsdp1,
     "ddp": setup_ddp,
     "deepspeed": setup_deepspeed,
+    "shardwise-nocheck": setup_shardwise_ablation({"SHARDWISE_CHECK_COLLECTIVES": "0"}),
+    "shardwise-nativecoll": setup_shardwise_ablation({"SHARDWISE_GLOO_NATIVE_COLLECTIVES": "1"}),
 }
 
 

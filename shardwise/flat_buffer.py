@@ -93,6 +93,10 @@ class FlatGroup:
         if self.checker is not None:
             self.checker.check(op, self.ids[0], self.ids[1], numel)
 
+    def _verify(self) -> None:
+        if self.checker is not None:
+            self.checker.verify()  # ranks agreed on this collective before its result is used
+
     def _what(self, op: str) -> str:
         return f"{op} of unit {self.plan.unit_fqn or '<root>'!r} ({self.plan.dtype}, {self.plan.padded_numel} elements)"
 
@@ -123,6 +127,7 @@ class FlatGroup:
 
     def wait_unshard(self) -> None:
         if self.state is GatherState.GATHERING:
+            self._verify()
             collectives.wait(self._gather_work, what=self._what("all_gather"))
             self._gather_work = self._gather_src = None
             self.state = GatherState.GATHERED
@@ -187,6 +192,7 @@ class PendingReduce:
 
     def finish(self) -> None:
         g = self.group
+        g._verify()
         collectives.wait(self.work, what=g._what("reduce_scatter"))
         self.flat = None  # the unsharded gradient buffer dies here
         out = self.out
