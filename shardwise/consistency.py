@@ -28,7 +28,6 @@ from shardwise.errors import ShardwiseError
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "state_dict_gather", "state_dict_broadcast")
 PHASES = ("idle", "forward", "backward")
-_FIELDS = 6  # seq, op, unit, group, numel, phase
 
 
 def checks_enabled() -> bool:

@@ -19,7 +19,6 @@ import torch.nn as nn
 
 from shardwise.errors import ShardwiseError
 from shardwise.flat_buffer import FlatGroup
-from shardwise.plan import ParamSpec
 
 
 def _specs_by_param(groups: list[FlatGroup]) -> dict[int, tuple[FlatGroup, int]]:
@@ -107,7 +106,3 @@ def fill_from_rank0(model: nn.Module, groups: list[FlatGroup], device: torch.dev
                 module._buffers[n] = b
             dist.broadcast(b, src=0)
 
-
-def spec_params(spec: ParamSpec) -> nn.Parameter:
-    ref = spec.refs[0]
-    return ref.module._parameters[ref.name]

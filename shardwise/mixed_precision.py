@@ -50,7 +50,7 @@ def map_tensors(obj: Any, fn) -> Any:
 
 
 def iter_tensors(obj: Any):
-    """Every tensor inside nested tuples/lists/dicts (and dataclass-like outputs with ``__dict__``)."""
+    """Every tensor inside nested tuples/lists/dicts (Hugging Face ModelOutput is a dict)."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
