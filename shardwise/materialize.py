@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from shardwise.errors import ShardwiseError
 from shardwise.flat_buffer import FlatGroup
+from shardwise.plan import ParamSpec
 
 
 def _specs_by_param(groups: list[FlatGroup]) -> dict[int, tuple[FlatGroup, int]]:
@@ -85,18 +86,26 @@ def fill_from_meta(
                 module._parameters[n] = p
 
 
+def fill_group_from_rank0(
+    group: FlatGroup, device: torch.device, value_of: Callable[[ParamSpec], torch.Tensor]
+) -> None:
+    """Rank 0 packs ``value_of(spec)`` for every parameter of the group into one zero-padded flat buffer,
+    broadcasts it, and every rank keeps its slice. One group's full size is the peak extra memory.
+    ``value_of`` is only called on rank 0."""
+    full = torch.empty(group.plan.padded_numel, dtype=group.plan.dtype, device=device)
+    if dist.get_rank() == 0:
+        full.zero_()  # the padding is broadcast into the last rank's shard, which keeps it zero
+        for spec in group.plan.params:
+            full.narrow(0, spec.offset, spec.numel).copy_(value_of(spec).detach().reshape(-1))
+    dist.broadcast(full, src=0)
+    with torch.no_grad():
+        group.shard.copy_(full.narrow(0, group.shard_start, group.plan.shard_numel))
+
+
 def fill_from_rank0(model: nn.Module, groups: list[FlatGroup], device: torch.device) -> None:
     """Broadcast rank 0's parameters and buffers; other ranks may hold anything of the right shapes (or meta)."""
-    is_src = dist.get_rank() == 0
     for g in groups:
-        full = torch.empty(g.plan.padded_numel, dtype=g.plan.dtype, device=device)
-        if is_src:
-            for spec in g.plan.params:
-                ref = spec.refs[0]
-                full.narrow(0, spec.offset, spec.numel).copy_(ref.module._parameters[ref.name].detach().reshape(-1))
-        dist.broadcast(full, src=0)
-        start = g.shard_start
-        g.shard.copy_(full.narrow(0, start, g.plan.shard_numel))
+        fill_group_from_rank0(g, device, lambda spec: spec.refs[0].module._parameters[spec.refs[0].name])
     for module in model.modules():
         for n, b in list(module._buffers.items()):
             if b is None:

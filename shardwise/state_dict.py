@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from shardwise import collectives
 from shardwise.errors import ShardwiseError
+from shardwise.materialize import fill_group_from_rank0
 
 
 def _buffer_entries(model: nn.Module, keys: set[str]) -> dict[str, tuple[nn.Module, str]]:
@@ -96,18 +97,9 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     problem = collectives.broadcast_text(_validate(rt, model, state_dict) if is_rank0 else None, src=0)
     if problem:
         raise ShardwiseError(f"load_full_state_dict: {problem}")
-    device = rt.device
     for u in rt.units:
         for g in u.groups:
-            full = torch.empty(g.plan.padded_numel, dtype=g.plan.dtype, device=device)
-            if is_rank0:
-                full.zero_()
-                for spec in g.plan.params:
-                    full.narrow(0, spec.offset, spec.numel).copy_(state_dict[spec.fqn].reshape(-1))
-            dist.broadcast(full, src=0)
-            with torch.no_grad():
-                g.shard.copy_(full.narrow(0, g.shard_start, g.plan.shard_numel))
-            del full
+            fill_group_from_rank0(g, rt.device, lambda spec: state_dict[spec.fqn])
     for k, (mod, n) in _buffer_entries(model, set(rt.state_dict_keys)).items():
         b = mod._buffers[n]
         if is_rank0:
