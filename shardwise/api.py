@@ -226,8 +226,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         total = local
     else:
         if grads:
-            local = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in grads])
-            local = local.pow(norm_type).sum().to(device)
+            # One foreach kernel over every local piece, not a Python loop of norms per parameter per step.
+            norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)
+            local = torch.stack(norms).pow(norm_type).sum().to(device)
         else:
             local = torch.zeros((), dtype=torch.float32, device=device)
         # Shards are disjoint within a shard group and identical across replicas: sum over the shard group only.
@@ -235,6 +236,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
             collectives.all_reduce_sum(local, rt.groups.shard)
         total = local.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.device, g.dtype))
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
     return total
