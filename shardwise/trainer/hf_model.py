@@ -82,20 +82,21 @@ def make_param_init_fn(model: nn.Module, device: torch.device) -> Callable[[nn.M
     return init
 
 
-def hf_num_layers(config) -> int:
+def _text_config_int(config, names: tuple[str, ...]) -> int:
+    """The first of ``names`` set on the (text part of the) config: architectures spell sizes differently."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for k in ("num_hidden_layers", "n_layer", "num_layers"):
+    for k in names:
         if getattr(text, k, None):
             return int(getattr(text, k))
     return 0
+
+
+def hf_num_layers(config) -> int:
+    return _text_config_int(config, ("num_hidden_layers", "n_layer", "num_layers"))
 
 
 def hf_hidden_size(config) -> int:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for k in ("hidden_size", "n_embd", "d_model"):
-        if getattr(text, k, None):
-            return int(getattr(text, k))
-    return 0
+    return _text_config_int(config, ("hidden_size", "n_embd", "d_model"))
 
 
 def hf_max_positions(config) -> Optional[int]:
