@@ -79,7 +79,33 @@ def parity(device: torch.device, steps: int) -> float:
     return worst
 
 
+PHASE_PEAKS: dict[str, list[dict[str, float]]] = {"shardwise": [], "fsdp2": []}
+
+
+class PhaseMemory:
+    """Peak allocated GiB within each phase of a step (and what is still live at its end), to show where
+    a difference in overall peak comes from."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.peaks: dict[str, float] = {"start": torch.cuda.memory_allocated() / 2**30 if self.cuda else 0.0}
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def mark(self, phase: str) -> None:
+        if self.cuda:
+            self.peaks[phase] = torch.cuda.max_memory_allocated() / 2**30
+            self.peaks[phase + " end"] = torch.cuda.memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+
+
 def speed(impl: str, device: torch.device, preset: str, b: int, t: int, steps: int) -> tuple[float, float]:
+    if device.type == "cuda":
+        gc.collect()
+        leftover = torch.cuda.memory_allocated()
+        # torch FSDP2 leaves its model as cyclic garbage (5.3 GiB at gpt-1b): collect it, or the next run
+        # is measured on top of it.
+        assert leftover < 2**28, f"{leftover / 2**30:.2f} GiB still allocated from the previous run"
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT.from_preset(preset, block_size=max(t, 128))
@@ -107,14 +133,22 @@ def speed(impl: str, device: torch.device, preset: str, b: int, t: int, steps: i
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        model(x, y).loss.backward()
+        marks = PhaseMemory(device)
+        loss = model(x, y).loss
+        marks.mark("forward")
+        loss.backward()
+        marks.mark("backward")
         opt.step()
+        marks.mark("step")
         opt.zero_grad()
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    del model, opt
+    PHASE_PEAKS[impl].append(marks.peaks)
+    peak = max(marks.peaks[p] for p in ("forward", "backward", "step")) if device.type == "cuda" else float("nan")
+    # `loss` keeps the autograd graph, and through its hooks the model, alive: drop it too, or the next
+    # implementation's run would be measured with this one's parameters still allocated.
+    del model, opt, loss
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -150,6 +184,14 @@ def main() -> None:
             m = statistics.median(x for _, x in rs)
             print(f"| {impl} | {ts[0]:.3f} / {statistics.median(ts):.3f} / {ts[-1]:.3f} | {m:.2f} | "
                   f"{statistics.median(ts) / base_t:.2f} | {m / base_m:.2f} |")
+        if args.device == "cuda":
+            phases = ["start", "forward", "forward end", "backward", "backward end", "step", "step end"]
+            print("\nGiB allocated in the last step: live at the start, peak within each phase, live at its end")
+            print("| impl | " + " | ".join(phases) + " |")
+            print("|---|" + "---|" * len(phases))
+            for impl, runs in PHASE_PEAKS.items():
+                last = runs[-1]
+                print(f"| {impl} | " + " | ".join(f"{last[p]:.2f}" for p in phases) + " |")
     gc.collect()
     dist.destroy_process_group()
 
