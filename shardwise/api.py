@@ -99,8 +99,7 @@ def shard(
         checker = CollectiveChecker([u.label for u in plan.units], lambda: runtime.phase.value)
         for ui, up in enumerate(plan.units):
             for gi, gp in enumerate(up.groups):
-                flat_groups[id(gp)].checker = checker
-                flat_groups[id(gp)].ids = (ui, gi)
+                flat_groups[id(gp)].attach_checker(checker, ui, gi)
     for up in plan.units:
         unit = Unit(up, [flat_groups[id(gp)] for gp in up.groups], runtime)
         runtime.units.append(unit)

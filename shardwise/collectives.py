@@ -30,7 +30,9 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _use_all_reduce_cache: dict = {}
 
 
-def _gather_by_all_reduce(group) -> bool:
+def gathers_by_all_reduce(group) -> bool:
+    """Whether all-gather / reduce-scatter on ``group`` run as one all-reduce, which can also carry an
+    in-band header (consistency.py)."""
     key = id(group)
     if key not in _use_all_reduce_cache:
         native = os.environ.get("SHARDWISE_GLOO_NATIVE_COLLECTIVES", "0") not in ("0", "", "false", "False")
@@ -52,27 +54,42 @@ class _ThenCopy:
         return True
 
 
-def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True):
-    """Concatenate every rank's ``shard`` (same numel everywhere) into ``output``, rank-major."""
-    if _gather_by_all_reduce(group):
+def _place_header(buffer: torch.Tensor, data_numel: int, header: Optional[torch.Tensor]) -> None:
+    if header is not None:
+        buffer.narrow(0, data_numel, header.numel()).copy_(header)
+    elif buffer.numel() != data_numel:
+        raise ValueError(f"buffer of {buffer.numel()} elements for {data_numel} elements of data and no header")
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True,
+                    header: Optional[torch.Tensor] = None):
+    """Concatenate every rank's ``shard`` (same numel everywhere) into ``output``, rank-major.
+    ``header`` (all-reduce path only) is summed into ``output``'s tail, after the gathered data."""
+    if gathers_by_all_reduce(group):
         n = shard.numel()
         output.zero_()
         output.narrow(0, dist.get_rank(group) * n, n).copy_(shard)
+        _place_header(output, n * dist.get_world_size(group), header)
         return dist.all_reduce(output, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    assert header is None, "in-band headers ride only on the all-reduce path"
     return _all_gather_single(output, shard, group=group, async_op=async_op)
 
 
-def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, group, async_op: bool = True):
+def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, group, async_op: bool = True,
+                        header: Optional[torch.Tensor] = None):
     """Sum ``flat`` over ranks and keep this rank's contiguous 1/N chunk in ``output``.
-    On gloo ``flat`` is overwritten with the full sum (see the Note above)."""
-    if _gather_by_all_reduce(group):
+    On gloo ``flat`` is overwritten with the full sum (see the Note above); ``header`` (that path only) is
+    written into ``flat``'s tail, after the N chunks, and summed with them."""
+    if gathers_by_all_reduce(group):
         n = output.numel()
+        _place_header(flat, n * dist.get_world_size(group), header)
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
         pending = _ThenCopy(work, output, flat.narrow(0, dist.get_rank(group) * n, n))
         if not async_op:
             pending.wait()
             return None
         return pending
+    assert header is None, "in-band headers ride only on the all-reduce path"
     return _reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 

@@ -11,6 +11,9 @@ Buffer lifetimes (N = shard group size, P = padded numel of the group)::
                point at valid memory again once backward re-gathers into it.
     grad flat  P elements, reduce dtype. Packed from the unit's gradients in backward, consumed by one
                reduce-scatter, freed when that finishes.
+    header     N x consistency.SLOT elements after ``gathered`` and after ``grad flat``, only where the
+               collectives run as all-reduces (gloo) and the consistency check is on: every rank's
+               fingerprint of the collective, carried in band (see consistency.py).
     grad shard P/N elements. The reduce-scatter output; each parameter's ``.grad`` is a view of it.
 """
 
@@ -20,9 +23,11 @@ import enum
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise import collectives
+from shardwise.consistency import SLOT, CollectiveChecker, Stamp
 from shardwise.mixed_precision import MixedPrecision
 from shardwise.offload import CPUOffload
 from shardwise.plan import FlatGroupPlan
@@ -84,18 +89,41 @@ class FlatGroup:
             self.state = GatherState.SHARDED
         self._gather_work = None
         self._gather_src: Optional[torch.Tensor] = None  # keeps a cast/moved shard alive during the collective
+        self._gather_stamp: Optional[Stamp] = None
         self._unsynced_grad: Optional[torch.Tensor] = None  # no_sync accumulation, unsharded, reduce dtype
-        # Set by shard() once units are numbered: fingerprints every collective (see consistency.py).
-        self.checker = None
+        self.checker: Optional[CollectiveChecker] = None
         self.ids = (0, 0)  # (unit index, group index within the unit)
+        self.header_numel = 0  # in-band fingerprint elements after the data in both unsharded buffers
 
-    def _check(self, op: str, numel: int) -> None:
-        if self.checker is not None:
-            self.checker.check(op, self.ids[0], self.ids[1], numel)
+    def attach_checker(self, checker: CollectiveChecker, unit_index: int, group_index: int) -> None:
+        """Fingerprint every collective of this group from now on (see consistency.py)."""
+        self.checker, self.ids = checker, (unit_index, group_index)
+        if self.groups.shard is not None and collectives.gathers_by_all_reduce(self.groups.shard):
+            self._slot_ranks = dist.get_process_group_ranks(self.groups.shard)
+            self.header_numel = len(self._slot_ranks) * SLOT
+            self._writer = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
+                self.gathered.untyped_storage(), 0, (self.plan.padded_numel + self.header_numel,), (1,)
+            )
 
-    def _verify(self) -> None:
-        if self.checker is not None:
-            self.checker.verify()  # ranks agreed on this collective before its result is used
+    def _announce(self, op: str, numel: int, dtype: torch.dtype) -> Optional[Stamp]:
+        """Fingerprint the collective about to be issued: returns the header it must carry in band, or
+        None when it is exchanged out of band (or not checked)."""
+        if self.checker is None:
+            return None
+        if self.header_numel:
+            return self.checker.stamp(op, self.ids[0], self.ids[1], numel, self._slot_ranks,
+                                      self.groups.shard_rank, dtype, self.device)
+        self.checker.check(op, self.ids[0], self.ids[1], numel)
+        return None
+
+    def _verify(self, stamp: Optional[Stamp] = None, buffer: Optional[torch.Tensor] = None) -> None:
+        """Ranks agreed on this collective; called before its result is used."""
+        if self.checker is None:
+            return
+        if stamp is not None:
+            self.checker.verify_stamp(stamp, buffer.narrow(0, self.plan.padded_numel, self.header_numel))
+        else:
+            self.checker.verify()
 
     def _what(self, op: str) -> str:
         return f"{op} of unit {self.plan.unit_fqn or '<root>'!r} ({self.plan.dtype}, {self.plan.padded_numel} elements)"
@@ -111,7 +139,7 @@ class FlatGroup:
         if self.state is not GatherState.SHARDED:
             return
         storage = self.gathered.untyped_storage()
-        storage.resize_(self.plan.padded_numel * self.param_dtype.itemsize)
+        storage.resize_((self.plan.padded_numel + self.header_numel) * self.param_dtype.itemsize)
         src = self.shard
         if src.device != self.device:
             src = src.to(self.device, non_blocking=True)
@@ -120,16 +148,20 @@ class FlatGroup:
         if self.groups.shard is None:
             self._writer.copy_(src)
         else:
-            self._check("all_gather", self.plan.padded_numel)
-            self._gather_work = collectives.all_gather_into(self._writer, src, self.groups.shard, async_op=True)
-            self._gather_src = src
+            stamp = self._announce("all_gather", self.plan.padded_numel, self.param_dtype)
+            self._gather_work = collectives.all_gather_into(
+                self._writer, src, self.groups.shard, async_op=True, header=stamp and stamp.header)
+            self._gather_src, self._gather_stamp = src, stamp
         self.state = GatherState.GATHERING
 
     def wait_unshard(self) -> None:
         if self.state is GatherState.GATHERING:
-            self._verify()
+            if self._gather_stamp is None:
+                self._verify()
             collectives.wait(self._gather_work, what=self._what("all_gather"))
-            self._gather_work = self._gather_src = None
+            if self._gather_stamp is not None:
+                self._verify(self._gather_stamp, self._writer)
+            self._gather_work = self._gather_src = self._gather_stamp = None
             self.state = GatherState.GATHERED
 
     def reshard(self) -> None:
@@ -142,7 +174,8 @@ class FlatGroup:
     # ---- gradients --------------------------------------------------------------------------------
     def reduce_grads(self, grads: Sequence[Optional[torch.Tensor]], sync: bool) -> Optional["PendingReduce"]:
         """Pack this group's unsharded gradients and start their reduce-scatter (or keep them, under no_sync)."""
-        flat = torch.empty(self.plan.padded_numel, dtype=self.reduce_dtype, device=self.device)
+        buffer = torch.empty(self.plan.padded_numel + self.header_numel, dtype=self.reduce_dtype, device=self.device)
+        flat = buffer.narrow(0, 0, self.plan.padded_numel)
         for spec, g in zip(self.plan.params, grads):
             dst = flat.narrow(0, spec.offset, spec.numel)
             if g is None:
@@ -165,9 +198,12 @@ class FlatGroup:
         if self.groups.shard is None:
             return PendingReduce(self, flat, flat, None, divide_by=1 if pre_divide else dp)
         out = torch.empty(self.plan.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        self._check("reduce_scatter", self.plan.padded_numel)
-        work = collectives.reduce_scatter_into(out, flat, self.groups.shard, async_op=True)
-        return PendingReduce(self, flat, out, work, divide_by=1 if pre_divide else dp)
+        stamp = self._announce("reduce_scatter", self.plan.padded_numel, self.reduce_dtype)
+        if stamp is None:
+            buffer = flat
+        work = collectives.reduce_scatter_into(out, buffer, self.groups.shard, async_op=True,
+                                               header=stamp and stamp.header)
+        return PendingReduce(self, buffer, out, work, divide_by=1 if pre_divide else dp, stamp=stamp)
 
     def accumulate_grad_shard(self, grad_shard: torch.Tensor) -> None:
         """Give each shard parameter its piece of ``grad_shard`` (a view, so grads stay one flat buffer)."""
@@ -187,17 +223,23 @@ class FlatGroup:
 class PendingReduce:
     """A reduce-scatter in flight. ``finish`` waits, all-reduces across replicas, scales, and hands out grads."""
 
-    def __init__(self, group: FlatGroup, flat: torch.Tensor, out: torch.Tensor, work, divide_by: int):
+    def __init__(self, group: FlatGroup, flat: torch.Tensor, out: torch.Tensor, work, divide_by: int,
+                 stamp: Optional[Stamp] = None):
         self.group, self.flat, self.out, self.work, self.divide_by = group, flat, out, work, divide_by
+        self.stamp = stamp
 
     def finish(self) -> None:
         g = self.group
-        g._verify()
+        if self.stamp is None:
+            g._verify()
         collectives.wait(self.work, what=g._what("reduce_scatter"))
+        if self.stamp is not None:
+            g._verify(self.stamp, self.flat)
         self.flat = None  # the unsharded gradient buffer dies here
         out = self.out
         if g.groups.replicate is not None:
-            g._check("all_reduce", out.numel())
+            if g.checker is not None:  # replicas never share a buffer with a header: out of band
+                g.checker.check("all_reduce", g.ids[0], g.ids[1], out.numel())
             collectives.wait(collectives.all_reduce_sum(out, g.groups.replicate, async_op=True), what=g._what("all_reduce"))
         if self.divide_by != 1:
             out.div_(self.divide_by)

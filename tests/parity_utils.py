@@ -281,8 +281,9 @@ class CollectiveCounter:
             def counted(tensor_a, tensor_b=None, *args, _name=name, _orig=original, **kwargs):
                 # all_gather/reduce_scatter: (output, input); all_reduce: (tensor, group)
                 sent = tensor_b if _name == "reduce_scatter_into" else tensor_a
+                header = kwargs.get("header")  # the in-band fingerprint is not data
                 self.calls[_name] += 1
-                self.numel[_name] += sent.numel()
+                self.numel[_name] += sent.numel() - (header.numel() if header is not None else 0)
                 return _orig(tensor_a, tensor_b, *args, **kwargs)
 
             setattr(collectives, name, counted)

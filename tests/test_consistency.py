@@ -13,13 +13,24 @@ from shardwise.models import GPT, GPTConfig, Block
 CFG = GPTConfig(vocab_size=61, block_size=16, n_layer=3, n_head=2, n_embd=18)
 
 
-def _diverge(rank: int, world: int, scenario: str) -> str:
+def _diverge(rank: int, world: int, scenario: str, variant: str = "fp32", ahead: int = 0) -> str:
+    """``variant``: fp32, bf16 (the in-band fingerprint travels in a bf16 buffer), native (gloo's own
+    all-gather / reduce-scatter, fingerprint out of band) or hybrid (2 x 2 mesh: in band within each
+    shard group). ``ahead``: the rank that runs the extra forward."""
     torch.manual_seed(0)
     cfg = CFG
     if scenario == "different_model" and rank == 1:
         cfg = GPTConfig(vocab_size=61, block_size=16, n_layer=3, n_head=2, n_embd=20)
     model = GPT(cfg)
-    shardwise.shard(model, units={Block})
+    options = {}
+    if variant == "bf16":
+        options["mixed_precision"] = shardwise.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    if variant == "hybrid":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        options["strategy"] = "hybrid_shard"
+        options["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    shardwise.shard(model, units={Block}, **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randint(0, 61, (2, 16))
     model(x, x).loss.backward()  # one healthy step first: the check must not fire on agreement
@@ -28,7 +39,7 @@ def _diverge(rank: int, world: int, scenario: str) -> str:
     start = time.monotonic()
     if scenario == "extra_forward":
         loss = model(x, x).loss
-        if rank == 0:
+        if rank == ahead:
             loss = loss + model(x, x).loss
         loss.backward()
     elif scenario == "skipped_backward":
@@ -54,17 +65,36 @@ def _errors(results):
     return [r for r in results if isinstance(r, RankError)]
 
 
+def _assert_names_both_sides(error: str, ahead: int, behind: int) -> None:
+    assert "ShardwiseError: ranks disagree about the next collective" in error
+    assert f"ranks [{ahead}] are at all_gather of unit 'blocks.0'" in error
+    assert f"ranks [{behind}] are at all_gather of unit 'blocks.2'" in error
+    assert "(flat group 0" in error and "backward" in error and "forward" in error
+
+
 @pytest.mark.parametrize("scenario", ["extra_forward", "skipped_backward"])
-def test_a_rank_that_runs_ahead_makes_every_rank_fail_naming_unit_and_ranks(scenario):
-    """One rank runs an extra forward (or skips a backward): both ranks raise, naming units and ranks."""
-    results = run_distributed(_diverge, 2, scenario, timeout_s=30, allow_errors=True)
+@pytest.mark.parametrize("variant", ["fp32", "bf16", "native"])
+def test_a_rank_that_runs_ahead_makes_every_rank_fail_naming_unit_and_ranks(scenario, variant):
+    """One rank runs an extra forward (or skips a backward): both ranks raise, naming units and ranks,
+    whether the fingerprint rides in band (fp32, bf16) or out of band (gloo's native collectives)."""
+    env = {"SHARDWISE_GLOO_NATIVE_COLLECTIVES": "1"} if variant == "native" else None
+    results = run_distributed(_diverge, 2, scenario, variant, timeout_s=30, env=env, allow_errors=True)
     errors = _errors(results)
     assert len(errors) == 2, results
     for e in errors:
-        assert "ShardwiseError: ranks disagree about the next collective" in e
-        assert "ranks [0] are at all_gather of unit 'blocks.0'" in e
-        assert "ranks [1] are at all_gather of unit 'blocks.2'" in e
-        assert "(flat group 0" in e and "backward" in e and "forward" in e
+        _assert_names_both_sides(e, ahead=0, behind=1)
+
+
+def test_in_a_hybrid_mesh_the_disagreeing_shard_group_names_global_ranks():
+    """2 x 2 hybrid: rank 3 runs ahead inside shard group {2, 3}. Ranks 2 and 3 name each other by global
+    rank; ranks 0 and 1 then fail at the replica all-reduce their partners never reach, instead of hanging."""
+    results = run_distributed(_diverge, 4, "extra_forward", "hybrid", 3, timeout_s=30, allow_errors=True)
+    errors = _errors(results)
+    assert len(errors) == 4, results
+    for rank in (2, 3):
+        _assert_names_both_sides(results[rank], ahead=3, behind=2)
+    for rank in (0, 1):
+        assert "another rank died" in results[rank] or "a peer rank died" in results[rank], results[rank]
 
 
 def test_units_called_in_a_different_order_are_detected():
@@ -89,16 +119,38 @@ def test_a_dead_rank_makes_the_others_fail_fast_not_after_the_timeout():
     assert "another rank died, left, or stopped communicating" in results[0] or "a peer rank died" in results[0]
 
 
-def _agree(rank: int, world: int) -> int:
+def _agree(rank: int, world: int) -> tuple[int, int]:
+    from shardwise.consistency import CollectiveChecker
+
     torch.manual_seed(0)
     model = GPT(CFG)
     shardwise.shard(model, units={Block})
-    for _ in range(2):
-        model(torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16))).loss.backward()
-    return shardwise.api.runtime_of(model).units[0].groups[0].checker.seq
+    checker = shardwise.api.runtime_of(model).units[0].groups[0].checker
+    separate = []
+    original = CollectiveChecker.check
+    CollectiveChecker.check = lambda self, *a: (separate.append(a), original(self, *a))[1]
+    try:
+        for _ in range(2):
+            model(torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16))).loss.backward()
+    finally:
+        CollectiveChecker.check = original
+    return checker.seq, len(separate)
 
 
-def test_agreeing_ranks_exchange_one_fingerprint_per_collective():
-    """3 blocks + root, 2 steps: per step 4 gathers in forward, 3 re-gathers in backward, 4 reduce-scatters."""
-    seqs = run_distributed(_agree, 3)
-    assert seqs == [2 * (4 + 3 + 4)] * 3
+def test_agreeing_ranks_fingerprint_every_collective_inside_the_collective_itself():
+    """3 blocks + root, 2 steps: per step 4 gathers in forward, 3 re-gathers in backward, 4 reduce-scatters,
+    each fingerprinted; on gloo every fingerprint rides in band, so no separate exchange happens."""
+    results = run_distributed(_agree, 3)
+    assert results == [(2 * (4 + 3 + 4), 0)] * 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_in_band_fingerprint_digits_survive_every_float_dtype(dtype):
+    """The header is base-256 digits: exact in bf16 (8-bit significand) and wider, so a fingerprint read
+    back from a summed buffer decodes to exactly what was sent, large element counts included."""
+    from shardwise.consistency import SLOT, _decode, _encode
+
+    values = [3_000_000_000, 2, 70_000, 5, 987_654_321_012, 1]
+    digits = torch.tensor(_encode(values), dtype=dtype) + torch.zeros(SLOT, dtype=dtype)
+    assert len(digits) == SLOT
+    assert _decode(digits.to(torch.int64).tolist()) == values
