@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 1 bench/gpu_check.py                  # on a GPU machine
     torchrun --standalone --nproc-per-node 8 bench/gpu_check.py --model gpt-1b
+    torchrun --standalone --nproc-per-node 2 bench/gpu_check.py --backend gloo --parity-only   # 2 ranks, 1 GPU
     python bench/gpu_check.py --device cpu --model gpt-tiny --steps 3            # smoke-test the script itself
 
 1. Parity (fp32): a small GPT trained for a few steps with shardwise (full_shard) must match a
@@ -29,14 +30,16 @@ import shardwise
 from shardwise.models import GPT, GPTConfig, Block
 
 
-def init(device_kind: str) -> torch.device:
+def init(device_kind: str, backend: str = "nccl") -> torch.device:
     if "RANK" not in os.environ:  # plain `python bench/gpu_check.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
     if device_kind == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-        dist.init_process_group("nccl", timeout=timedelta(minutes=5))
+        # NCCL refuses two ranks on one GPU; gloo on CUDA tensors still runs the sharded device path
+        # (several ranks, real shards, in-band fingerprints) when only one GPU is at hand.
+        dist.init_process_group(backend, timeout=timedelta(minutes=5))
         return torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("gloo", timeout=timedelta(minutes=5))
     return torch.device("cpu")
@@ -48,13 +51,13 @@ def batch(step: int, rank: int, b: int, t: int, vocab: int, device) -> tuple[tor
     return x[:, :-1].to(device), x[:, 1:].to(device)
 
 
-def parity(device: torch.device, steps: int) -> float:
+def parity(device: torch.device, steps: int, **shard_options) -> float:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(vocab_size=509, block_size=64, n_layer=3, n_head=4, n_embd=68)
     torch.manual_seed(0)
     ref = GPT(cfg).to(device)
     model = copy.deepcopy(ref)
-    shardwise.shard(model, units={Block}, strategy="full_shard", device=device)
+    shardwise.shard(model, units={Block}, device=device, **shard_options)
     opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.3, momentum=0.9)
     worst = 0.0
@@ -163,12 +166,24 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--backend", choices=["nccl", "gloo"], default="nccl", help="for --device cuda")
+    ap.add_argument("--parity-only", action="store_true")
     args = ap.parse_args()
-    device = init(args.device)
+    device = init(args.device, args.backend)
     rank = dist.get_rank()
-    err = parity(device, steps=4)
-    if rank == 0:
-        print(f"parity (fp32, world {dist.get_world_size()}): worst relative error {err:.2e}")
+    variants = {
+        "full_shard": {}, "shard_grad_op": {"strategy": "shard_grad_op"}, "no_shard": {"strategy": "no_shard"},
+        "full_shard + CPU offload": {"offload": shardwise.CPUOffload()},
+        "full_shard + activation checkpointing": {"activation_checkpointing": True},
+    }
+    for label, options in variants.items():
+        err = parity(device, steps=4, **options)
+        if rank == 0:
+            print(f"parity (fp32, {label}, world {dist.get_world_size()}, {dist.get_backend()}): "
+                  f"worst relative error {err:.2e}", flush=True)
+    if args.parity_only:
+        dist.destroy_process_group()
+        return
     rows: dict[str, list[tuple[float, float]]] = {"shardwise": [], "fsdp2": []}
     for _ in range(args.repeats):
         for impl in rows:
