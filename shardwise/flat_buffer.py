@@ -241,6 +241,7 @@ class PendingReduce:
             if g.checker is not None:  # replicas never share a buffer with a header: out of band
                 g.checker.check("all_reduce", g.ids[0], g.ids[1], out.numel())
             collectives.wait(collectives.all_reduce_sum(out, g.groups.replicate, async_op=True), what=g._what("all_reduce"))
+            g._verify()
         if self.divide_by != 1:
             out.div_(self.divide_by)
         self.group.accumulate_grad_shard(out)

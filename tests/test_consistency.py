@@ -104,6 +104,22 @@ def test_units_called_in_a_different_order_are_detected():
     assert all("unit 'blocks.0'" in e and "unit 'blocks.2'" in e for e in errors)
 
 
+def _different_sizes(rank: int, world: int) -> str:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 32))
+    shardwise.shard(model, units={torch.nn.Linear})
+    model[rank](torch.randn(2, 8))  # rank 0 gathers 72 elements, rank 1 gathers 288
+    return "no error"
+
+
+def test_ranks_gathering_units_of_different_sizes_abort_instead_of_hanging():
+    """Sizes differ, so no fingerprint can be read: gloo itself aborts both ranks ("Received data size
+    doesn't match expected size") well inside the timeout, rather than waiting or mixing data."""
+    start = time.monotonic()
+    results = run_distributed(_different_sizes, 2, timeout_s=30, allow_errors=True)
+    assert time.monotonic() - start < 60
+    assert all(isinstance(r, RankError) for r in results), results
+
+
 def test_ranks_with_different_models_fail_at_shard_time():
     """A rank that built another model is caught by the plan hash before any training collective."""
     errors = _errors(run_distributed(_diverge, 2, "different_model", timeout_s=30, allow_errors=True))
