@@ -116,14 +116,15 @@ class FlatGroup:
         self.checker.check(op, self.ids[0], self.ids[1], numel)
         return None
 
-    def _verify(self, stamp: Optional[Stamp] = None, buffer: Optional[torch.Tensor] = None) -> None:
-        """Ranks agreed on this collective; called before its result is used."""
-        if self.checker is None:
-            return
+    def _wait_checked(self, work, op: str, stamp: Optional[Stamp], buffer: Optional[torch.Tensor]) -> None:
+        """Wait for a collective and make sure the ranks agreed on it before its result is used. A side
+        exchange is checked before the wait (under NCCL a mismatched collective may never finish); an
+        in-band fingerprint arrives with the data, so after it."""
+        if stamp is None and self.checker is not None:
+            self.checker.verify()
+        collectives.wait(work, what=self._what(op))
         if stamp is not None:
             self.checker.verify_stamp(stamp, buffer.narrow(0, self.plan.padded_numel, self.header_numel))
-        else:
-            self.checker.verify()
 
     def _what(self, op: str) -> str:
         return f"{op} of unit {self.plan.unit_fqn or '<root>'!r} ({self.plan.dtype}, {self.plan.padded_numel} elements)"
@@ -150,17 +151,13 @@ class FlatGroup:
         else:
             stamp = self._announce("all_gather", self.plan.padded_numel, self.param_dtype)
             self._gather_work = collectives.all_gather_into(
-                self._writer, src, self.groups.shard, async_op=True, header=stamp and stamp.header)
+                self._writer, src, self.groups.shard, async_op=True, header=stamp.header if stamp else None)
             self._gather_src, self._gather_stamp = src, stamp
         self.state = GatherState.GATHERING
 
     def wait_unshard(self) -> None:
         if self.state is GatherState.GATHERING:
-            if self._gather_stamp is None:
-                self._verify()
-            collectives.wait(self._gather_work, what=self._what("all_gather"))
-            if self._gather_stamp is not None:
-                self._verify(self._gather_stamp, self._writer)
+            self._wait_checked(self._gather_work, "all_gather", self._gather_stamp, self._writer)
             self._gather_work = self._gather_src = self._gather_stamp = None
             self.state = GatherState.GATHERED
 
@@ -199,10 +196,8 @@ class FlatGroup:
             return PendingReduce(self, flat, flat, None, divide_by=1 if pre_divide else dp)
         out = torch.empty(self.plan.shard_numel, dtype=self.reduce_dtype, device=self.device)
         stamp = self._announce("reduce_scatter", self.plan.padded_numel, self.reduce_dtype)
-        if stamp is None:
-            buffer = flat
         work = collectives.reduce_scatter_into(out, buffer, self.groups.shard, async_op=True,
-                                               header=stamp and stamp.header)
+                                               header=stamp.header if stamp else None)
         return PendingReduce(self, buffer, out, work, divide_by=1 if pre_divide else dp, stamp=stamp)
 
     def accumulate_grad_shard(self, grad_shard: torch.Tensor) -> None:
@@ -230,18 +225,13 @@ class PendingReduce:
 
     def finish(self) -> None:
         g = self.group
-        if self.stamp is None:
-            g._verify()
-        collectives.wait(self.work, what=g._what("reduce_scatter"))
-        if self.stamp is not None:
-            g._verify(self.stamp, self.flat)
+        g._wait_checked(self.work, "reduce_scatter", self.stamp, self.flat)
         self.flat = None  # the unsharded gradient buffer dies here
         out = self.out
         if g.groups.replicate is not None:
             if g.checker is not None:  # replicas never share a buffer with a header: out of band
                 g.checker.check("all_reduce", g.ids[0], g.ids[1], out.numel())
-            collectives.wait(collectives.all_reduce_sum(out, g.groups.replicate, async_op=True), what=g._what("all_reduce"))
-            g._verify()
+            g._wait_checked(collectives.all_reduce_sum(out, g.groups.replicate, async_op=True), "all_reduce", None, None)
         if self.divide_by != 1:
             out.div_(self.divide_by)
         self.group.accumulate_grad_shard(out)
