@@ -10,6 +10,12 @@ Order of events for one unit under full_shard (forward order recorded on the pre
                     (async) -> free gathered buffer
     end of backward wait all reduce-scatters -> grads land in .grad of the shard parameters
 
+A unit with no trainable parameters (frozen) has no ``UnshardParams`` backward to tell it its backward is
+done. If gradients flow through it to earlier units it is re-gathered in backward, so it gets another
+signal: a multi-grad hook on its inputs, which fires once the gradients w.r.t. all of them exist, i.e.
+after the unit's own backward. Without it a frozen middle block would stay gathered until the end of
+backward.
+
 [Note: gathered parameters are autograd outputs] Module parameters during forward are the outputs of
 ``UnshardParams``, whose inputs are the shard parameters. Autograd therefore calls its backward exactly
 once per forward, after the last use of any of the unit's parameters, handing over all of their gradients
@@ -70,7 +76,9 @@ class Unit:
         self.trainable = [g for g in groups if g.plan.requires_grad]
         self.reshard_after_forward = model.strategy.reshard_after_forward and not plan.is_root
         self.owed_backwards = 0
-        self._tickets: list[Optional[BackwardTicket]] = []  # a stack: a unit may call itself
+        # A stack (a unit may call itself): per running forward, its ticket and whether a frozen unit's
+        # inputs carry the post-backward hook.
+        self._tickets: list[tuple[Optional[BackwardTicket], bool]] = []
         # (params dict, name, group index, param index) for every registration of every parameter
         self._slots = [
             (ref.module._parameters, ref.name, gi, pi)
@@ -124,21 +132,33 @@ class Unit:
         if nxt is not None:
             nxt.unshard(wait=False)  # issued now, waited on at its own pre-forward: overlaps our compute
         self.unshard(wait=True)
-        self._tickets.append(self.bind_full())
+        ticket = self.bind_full()
         mp = m.mixed_precision
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = cast_floating(args, mp.param_dtype), cast_floating(kwargs, mp.param_dtype)
+        hooked = False
+        if ticket is None and torch.is_grad_enabled() and m.phase is not Phase.BACKWARD:
+            hooked = self._signal_when_input_grads_ready(args, kwargs)
+        self._tickets.append((ticket, hooked))
         return args, kwargs
 
+    def _signal_when_input_grads_ready(self, args, kwargs) -> bool:
+        """Frozen unit: call ``backward_done`` once the gradients w.r.t. its inputs are computed."""
+        needing = list({id(t): t for t in iter_tensors((args, kwargs)) if t.requires_grad}.values())
+        if not needing:
+            return False  # no gradient flows through this unit: backward never re-gathers it
+        torch.autograd.graph.register_multi_grad_hook(needing, lambda grads: self.backward_done(), mode="all")
+        return True
+
     def post_forward(self, module, args, kwargs, output):
-        ticket = self._tickets.pop()
+        ticket, input_grads_hooked = self._tickets.pop()
         grad_enabled = torch.is_grad_enabled()
         self.bind_sharded()
         m = self.model
         if m.phase is Phase.BACKWARD:
             pass  # activation-checkpoint recompute: its backward is next, keep the parameters gathered
         elif grad_enabled:
-            if ticket is not None:
+            if ticket is not None or input_grads_hooked:
                 self.owed_backwards += 1
             for t in iter_tensors(output):
                 if t.requires_grad:
@@ -168,10 +188,14 @@ class Unit:
             m.add_pending(pending)
         ticket.remaining -= 1
         if ticket.remaining == 0:
-            self.owed_backwards -= 1
-            if self.owed_backwards <= 0:
-                self.owed_backwards = 0
-                self.reshard()
+            self.backward_done()
+
+    def backward_done(self) -> None:
+        """One forward's backward is complete; free the parameters once no other forward still owes one."""
+        self.owed_backwards -= 1
+        if self.owed_backwards <= 0:
+            self.owed_backwards = 0
+            self.reshard()
 
 
 class ModelRuntime:

@@ -137,6 +137,41 @@ def _no_grad_frees(rank, ws):
     return out
 
 
+_FROZEN_STATES: list = []
+
+
+def _frozen_middle_step(model, batch, step, take):
+    """Inside blocks.0's backward (at the gradient of its MLP's output, so blocks.1's backward is over),
+    note whether the frozen blocks.1 still holds its gathered parameters."""
+    x, y = batch
+    if is_sharded(model):
+        unit = next(u for u in runtime_of(model).units if u.label == "blocks.1")
+
+        def note_frozen_unit(module, args, output):
+            if output.requires_grad:
+                output.register_hook(lambda g: _FROZEN_STATES.append(
+                    [(g.state.value, g.gathered.untyped_storage().nbytes()) for g in unit.groups]))
+
+        handle = model.blocks[0].mlp.register_forward_hook(note_frozen_unit)
+    loss = gpt_loss(model, take(x), take(y))
+    loss.backward()
+    if is_sharded(model):
+        handle.remove()
+    return loss.detach()
+
+
+def _frozen_middle_unit(rank, ws):
+    out = {}
+    for strategy in ("full_shard", "shard_grad_op"):
+        _FROZEN_STATES.clear()
+        initial = _gpt()
+        initial.blocks[1].requires_grad_(False)
+        metrics, model, _ = parity_check(initial, _frozen_middle_step, make_batches(STEPS, VOCAB), rank, ws,
+                                         shard_kwargs=dict(units={Block}, strategy=strategy))
+        out[strategy] = dict(metrics=metrics, states=list(_FROZEN_STATES))
+    return out
+
+
 SKIPS = [(), (1,), (), (0, 2)]  # the same on every rank: which blocks each step leaves out
 
 
@@ -238,6 +273,7 @@ SCENARIOS = {
     "no_grad_frees": _no_grad_frees,
     "unused_unit": _unused_unit,
     "no_sync": _no_sync,
+    "frozen_middle_unit": _frozen_middle_unit,
     "clip_other_norms": _clip_other_norms,
     "options": _options,
 }
@@ -318,6 +354,17 @@ def test_backward_frees_every_gathered_buffer(strategy):
     for states in r["backward_states"]:
         for label, state, nbytes in states:
             assert (state, nbytes) == ("sharded", 0), f"unit {label} left {state} holding {nbytes} bytes"
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
+def test_a_frozen_unit_that_gradients_pass_through_is_freed_right_after_its_backward(strategy):
+    """blocks.1 entirely frozen between trainable blocks: parity, and by the time blocks.0's backward starts
+    the frozen unit's gathered storage is released (not held until the end of backward)."""
+    r = scenario(report(), "frozen_middle_unit")[strategy]
+    assert_parity(r["metrics"], label=strategy)
+    assert len(r["states"]) == STEPS
+    for states in r["states"]:
+        assert states == [("sharded", 0)] * len(states), states
 
 
 @pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
