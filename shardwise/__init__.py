@@ -3,6 +3,7 @@
 from shardwise.api import clip_grad_norm_, no_sync, shard
 from shardwise.checkpoint import CheckpointManager, export_checkpoint, load_checkpoint, save_checkpoint
 from shardwise.errors import ShardwiseError
+from shardwise.grad_scaler import ShardedGradScaler
 from shardwise.mixed_precision import MixedPrecision
 from shardwise.offload import CPUOffload
 from shardwise.state_dict import full_state_dict, load_full_state_dict
@@ -21,6 +22,7 @@ __all__ = [
     "CheckpointManager",
     "export_checkpoint",
     "MixedPrecision",
+    "ShardedGradScaler",
     "CPUOffload",
     "Strategy",
     "ShardwiseError",

@@ -73,7 +73,7 @@ class TrainConfig:
     transformer_layer_cls_to_wrap: list[str] = field(default_factory=list)
     """Class names of the blocks that become units (e.g. LlamaDecoderLayer); empty: detected."""
     mixed_precision: str = "no"
-    """no, bf16 or fp16: the dtype parameters are gathered and computed in (masters and reductions stay fp32)."""
+    """no, bf16 or fp16: the dtype parameters are gathered and computed in (masters and reductions stay fp32; fp16 adds dynamic loss scaling, agreed across ranks)."""
     cpu_offload: bool = False
     """Keep parameter, gradient and optimizer shards in CPU memory (matters on GPU)."""
     activation_checkpointing: bool = False

@@ -124,8 +124,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     model = build_sharded_model(cfg, spec, device)
     num_params = sum(s.numel for s in runtime_of(model).plan.params())
     optimizer = build_optimizer(model, cfg)
+    # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
+    scaler = shardwise.ShardedGradScaler() if cfg.mixed_precision == "fp16" else None
     start_step, note = state.restore_training_state(cfg.out, cfg.resume, model, optimizer, seed=cfg.seed,
-                                                    train_tokens=len(train_stream))
+                                                    train_tokens=len(train_stream), grad_scaler=scaler)
 
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.gradient_accumulation_steps * world
     log = metrics.MetricsLogger(
@@ -168,10 +170,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             x, y = train_data.batch(step, micro)
             with shardwise.no_sync(model) if micro < accum - 1 else nullcontext():
                 loss = lm_loss(spec, model, x.to(device), y.to(device)) / accum
-                loss.backward()
+                (scaler.scale(loss) if scaler else loss).backward()
             step_loss += float(loss.detach())
+        if scaler:
+            scaler.unscale_(optimizer)  # clip true gradients; an overflow makes the norm inf and the step skip
         grad_norm = float(shardwise.clip_grad_norm_(model, clip_to))
-        optimizer.step()
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         log.add_step(step_loss)
 
@@ -184,7 +192,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             log.log(step, grad_norm=grad_norm, lr=lr, val_loss=val)
         if (cfg.save_every and step % cfg.save_every == 0) or last:
             path = state.save_training_state(cfg.out, model, optimizer, step=step, seed=cfg.seed,
-                                             train_tokens=len(train_stream))
+                                             train_tokens=len(train_stream), grad_scaler=scaler)
             if last:
                 summary["checkpoint"] = str(path)
     log.close()

@@ -25,9 +25,13 @@ def _records(out):
         return {r["step"]: r for r in map(json.loads, f)}
 
 
-def test_resume_continues_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("mixed_precision", ["no", "fp16"])
+def test_resume_continues_bit_for_bit(tmp_path, mixed_precision):
+    """fp16 also restores the loss scale: a resumed run that restarted from the initial scale would skip
+    or scale differently and drift."""
     base = TrainConfig(model="gpt-tiny", steps=6, batch_size=2, seq_len=32, gradient_accumulation_steps=2,
-                       eval_every=3, eval_batches=1, log_every=1, save_every=3, warmup_steps=2, progress=False)
+                       eval_every=3, eval_batches=1, log_every=1, save_every=3, warmup_steps=2, progress=False,
+                       mixed_precision=mixed_precision)
     unbroken = dataclasses.replace(base, out=str(tmp_path / "unbroken"))
     run_distributed(_train_worker, 2, dataclasses.asdict(unbroken))
     # "Crash" after step 3: a new run, in a new directory, resumed from the step-3 checkpoint.
@@ -41,6 +45,11 @@ def test_resume_continues_bit_for_bit(tmp_path):
         for key in ("loss", "grad_norm", "lr"):
             assert a[step][key] == b[step][key], (step, key)  # exact: same data, same RNG, same state
     assert a[6]["val_loss"] == b[6]["val_loss"]
+    if mixed_precision == "fp16":
+        # Scale and growth tracker carry on from the checkpoint (a fresh scaler would count from 0 again).
+        scalers = [[e["value"]["grad_scaler"] for e in json.loads((tmp_path / run / "step-00000006" / "manifest.json")
+                                                                   .read_text())["extra"]] for run in ("unbroken", "resumed")]
+        assert scalers[0] == scalers[1] and scalers[0][0]["_growth_tracker"] == 6, scalers
 
 
 def test_resume_latest_in_the_same_run_dir(tmp_path):
