@@ -93,7 +93,10 @@ def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, group, async_o
     return _reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def all_reduce_sum(tensor: torch.Tensor, group, async_op: bool = False):
+def all_reduce_sum(tensor: torch.Tensor, group, async_op: bool = False, header: Optional[torch.Tensor] = None):
+    """Sum ``tensor`` over ranks in place; ``header`` is written into its last elements first and summed too."""
+    if header is not None:
+        _place_header(tensor, tensor.numel() - header.numel(), header)
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 

@@ -15,7 +15,8 @@ Two ways to carry the fingerprint:
   bf16, fp16, fp32 and fp64, and x + 0 is exact, so the table arrives intact whatever the data dtype. No
   extra message, no extra thread wakeup: a separate exchange per collective cost ~9% of a step on a
   2-core CPU box, almost all of it scheduling the extra gloo work, not bytes.
-* **Out of band** (NCCL, gloo with native collectives, the replica all-reduce of hybrid strategies): a
+  The same goes for the all-reduce across replicas (no_shard, hybrid strategies) on gloo.
+* **Out of band** (NCCL, gloo with native all-gather / reduce-scatter): a
   tiny all-gather of the same values on a dedicated gloo group, on the CPU, so under NCCL waiting on it
   never waits on the GPU streams that carry the data. It is issued together with its collective and
   checked before that collective's result is used, so it adds no stall of its own.
@@ -122,9 +123,11 @@ class CollectiveChecker:
         header[my_slot] = mine
         return Stamp(header.view(-1).to(device), mine.to(device), slot_ranks)
 
-    def verify_stamp(self, stamp: Stamp, summed_header: torch.Tensor) -> None:
-        """After the collective: every rank's slot must hold the same fingerprint as this rank's."""
-        table = summed_header.view(-1, SLOT)
+    def verify_stamp(self, stamp: Stamp, buffer: torch.Tensor) -> None:
+        """After the collective: every rank's slot of the header at the end of ``buffer`` must hold the same
+        fingerprint as this rank's."""
+        n = stamp.header.numel()
+        table = buffer.narrow(0, buffer.numel() - n, n).view(-1, SLOT)
         if bool((table == stamp.mine).all()):
             return
         rows = {r: _decode(row) for r, row in zip(stamp.slot_ranks, table.to(torch.int64).tolist())}

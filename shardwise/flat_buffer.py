@@ -11,9 +11,10 @@ Buffer lifetimes (N = shard group size, P = padded numel of the group)::
                point at valid memory again once backward re-gathers into it.
     grad flat  P elements, reduce dtype. Packed from the unit's gradients in backward, consumed by one
                reduce-scatter, freed when that finishes.
-    header     N x consistency.SLOT elements after ``gathered`` and after ``grad flat``, only where the
-               collectives run as all-reduces (gloo) and the consistency check is on: every rank's
-               fingerprint of the collective, carried in band (see consistency.py).
+    header     N x consistency.SLOT elements after ``gathered`` and ``grad flat`` (and R x SLOT after
+               ``grad shard`` for the all-reduce over R replicas), only where the collective runs as a
+               gloo all-reduce and the consistency check is on: every rank's fingerprint of the
+               collective, carried in band (see consistency.py).
     grad shard P/N elements. The reduce-scatter output; each parameter's ``.grad`` is a view of it.
 """
 
@@ -93,26 +94,37 @@ class FlatGroup:
         self._unsynced_grad: Optional[torch.Tensor] = None  # no_sync accumulation, unsharded, reduce dtype
         self.checker: Optional[CollectiveChecker] = None
         self.ids = (0, 0)  # (unit index, group index within the unit)
-        self.header_numel = 0  # in-band fingerprint elements after the data in both unsharded buffers
+        # In-band fingerprint room after the data (see consistency.py): in the gathered buffer and the
+        # grad flat for the shard group's collectives, after the grad shard for the replica all-reduce.
+        self.header_numel = 0
+        self.replica_header_numel = 0
+        self._in_band: dict[str, tuple[list[int], int]] = {}  # op -> (global ranks of its group, my slot)
 
     def attach_checker(self, checker: CollectiveChecker, unit_index: int, group_index: int) -> None:
-        """Fingerprint every collective of this group from now on (see consistency.py)."""
+        """Fingerprint every collective of this group from now on (see consistency.py). The fingerprint
+        rides in band wherever the collective is a gloo all-reduce: a sum that can carry it and that the
+        CPU reads back anyway (under NCCL reading it back would stall the CPU on the GPU)."""
         self.checker, self.ids = checker, (unit_index, group_index)
-        if self.groups.shard is not None and collectives.gathers_by_all_reduce(self.groups.shard):
-            self._slot_ranks = dist.get_process_group_ranks(self.groups.shard)
-            self.header_numel = len(self._slot_ranks) * SLOT
+        shard, replicate = self.groups.shard, self.groups.replicate
+        if shard is not None and collectives.gathers_by_all_reduce(shard):
+            slots = (dist.get_process_group_ranks(shard), self.groups.shard_rank)
+            self._in_band["all_gather"] = self._in_band["reduce_scatter"] = slots
+            self.header_numel = len(slots[0]) * SLOT
             self._writer = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
                 self.gathered.untyped_storage(), 0, (self.plan.padded_numel + self.header_numel,), (1,)
             )
+        if replicate is not None and dist.get_backend(replicate) == "gloo":
+            self._in_band["all_reduce"] = (dist.get_process_group_ranks(replicate), dist.get_rank(replicate))
+            self.replica_header_numel = len(self._in_band["all_reduce"][0]) * SLOT
 
     def _announce(self, op: str, numel: int, dtype: torch.dtype) -> Optional[Stamp]:
         """Fingerprint the collective about to be issued: returns the header it must carry in band, or
         None when it is exchanged out of band (or not checked)."""
         if self.checker is None:
             return None
-        if self.header_numel:
-            return self.checker.stamp(op, self.ids[0], self.ids[1], numel, self._slot_ranks,
-                                      self.groups.shard_rank, dtype, self.device)
+        if op in self._in_band:
+            ranks, my_slot = self._in_band[op]
+            return self.checker.stamp(op, self.ids[0], self.ids[1], numel, ranks, my_slot, dtype, self.device)
         self.checker.check(op, self.ids[0], self.ids[1], numel)
         return None
 
@@ -124,7 +136,7 @@ class FlatGroup:
             self.checker.verify()
         collectives.wait(work, what=self._what(op))
         if stamp is not None:
-            self.checker.verify_stamp(stamp, buffer.narrow(0, self.plan.padded_numel, self.header_numel))
+            self.checker.verify_stamp(stamp, buffer)
 
     def _what(self, op: str) -> str:
         return f"{op} of unit {self.plan.unit_fqn or '<root>'!r} ({self.plan.dtype}, {self.plan.padded_numel} elements)"
@@ -171,7 +183,9 @@ class FlatGroup:
     # ---- gradients --------------------------------------------------------------------------------
     def reduce_grads(self, grads: Sequence[Optional[torch.Tensor]], sync: bool) -> Optional["PendingReduce"]:
         """Pack this group's unsharded gradients and start their reduce-scatter (or keep them, under no_sync)."""
-        buffer = torch.empty(self.plan.padded_numel + self.header_numel, dtype=self.reduce_dtype, device=self.device)
+        # Without a shard group the grad flat is itself what the replicas all-reduce: room for that header.
+        header = self.header_numel if self.groups.shard is not None else self.replica_header_numel
+        buffer = torch.empty(self.plan.padded_numel + header, dtype=self.reduce_dtype, device=self.device)
         flat = buffer.narrow(0, 0, self.plan.padded_numel)
         for spec, g in zip(self.plan.params, grads):
             dst = flat.narrow(0, spec.offset, spec.numel)
@@ -193,12 +207,15 @@ class FlatGroup:
         if pre_divide:
             flat.div_(dp)
         if self.groups.shard is None:
-            return PendingReduce(self, flat, flat, None, divide_by=1 if pre_divide else dp)
-        out = torch.empty(self.plan.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            return PendingReduce(self, None, buffer, self.plan.padded_numel, None, divide_by=1 if pre_divide else dp)
+        out_buffer = torch.empty(self.plan.shard_numel + self.replica_header_numel, dtype=self.reduce_dtype,
+                                 device=self.device)
+        out = out_buffer.narrow(0, 0, self.plan.shard_numel)
         stamp = self._announce("reduce_scatter", self.plan.padded_numel, self.reduce_dtype)
         work = collectives.reduce_scatter_into(out, buffer, self.groups.shard, async_op=True,
                                                header=stamp.header if stamp else None)
-        return PendingReduce(self, buffer, out, work, divide_by=1 if pre_divide else dp, stamp=stamp)
+        return PendingReduce(self, buffer, out_buffer, self.plan.shard_numel, work,
+                             divide_by=1 if pre_divide else dp, stamp=stamp)
 
     def accumulate_grad_shard(self, grad_shard: torch.Tensor) -> None:
         """Give each shard parameter its piece of ``grad_shard`` (a view, so grads stay one flat buffer)."""
@@ -216,23 +233,30 @@ class FlatGroup:
 
 
 class PendingReduce:
-    """A reduce-scatter in flight. ``finish`` waits, all-reduces across replicas, scales, and hands out grads."""
+    """A reduce-scatter in flight. ``finish`` waits, all-reduces across replicas, scales, and hands out grads.
 
-    def __init__(self, group: FlatGroup, flat: torch.Tensor, out: torch.Tensor, work, divide_by: int,
-                 stamp: Optional[Stamp] = None):
-        self.group, self.flat, self.out, self.work, self.divide_by = group, flat, out, work, divide_by
-        self.stamp = stamp
+    ``out_buffer`` holds the reduced gradient in its first ``out_numel`` elements, then room for the replica
+    all-reduce's in-band fingerprint."""
+
+    def __init__(self, group: FlatGroup, flat: Optional[torch.Tensor], out_buffer: torch.Tensor, out_numel: int,
+                 work, divide_by: int, stamp: Optional[Stamp] = None):
+        self.group, self.flat, self.work, self.divide_by, self.stamp = group, flat, work, divide_by, stamp
+        self.out_buffer, self.out_numel = out_buffer, out_numel
 
     def finish(self) -> None:
         g = self.group
         g._wait_checked(self.work, "reduce_scatter", self.stamp, self.flat)
         self.flat = None  # the unsharded gradient buffer dies here
-        out = self.out
+        out = self.out_buffer.narrow(0, 0, self.out_numel)
         if g.groups.replicate is not None:
-            if g.checker is not None:  # replicas never share a buffer with a header: out of band
-                g.checker.check("all_reduce", g.ids[0], g.ids[1], out.numel())
-            g._wait_checked(collectives.all_reduce_sum(out, g.groups.replicate, async_op=True), "all_reduce", None, None)
+            stamp = g._announce("all_reduce", self.out_numel, out.dtype)
+            if stamp is None:
+                work = collectives.all_reduce_sum(out, g.groups.replicate, async_op=True)
+            else:
+                work = collectives.all_reduce_sum(self.out_buffer, g.groups.replicate, async_op=True,
+                                                  header=stamp.header)
+            g._wait_checked(work, "all_reduce", stamp, self.out_buffer)
         if self.divide_by != 1:
             out.div_(self.divide_by)
         self.group.accumulate_grad_shard(out)
-        self.out = None
+        self.out_buffer = None

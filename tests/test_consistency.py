@@ -135,12 +135,17 @@ def test_a_dead_rank_makes_the_others_fail_fast_not_after_the_timeout():
     assert "another rank died, left, or stopped communicating" in results[0] or "a peer rank died" in results[0]
 
 
-def _agree(rank: int, world: int) -> tuple[int, int]:
+def _agree(rank: int, world: int, strategy: str = "full_shard") -> tuple[int, int]:
     from shardwise.consistency import CollectiveChecker
 
     torch.manual_seed(0)
     model = GPT(CFG)
-    shardwise.shard(model, units={Block})
+    options = {}
+    if strategy == "hybrid_shard":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        options["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    shardwise.shard(model, units={Block}, strategy=strategy, **options)
     checker = shardwise.api.runtime_of(model).units[0].groups[0].checker
     separate = []
     original = CollectiveChecker.check
@@ -158,6 +163,15 @@ def test_agreeing_ranks_fingerprint_every_collective_inside_the_collective_itsel
     each fingerprinted; on gloo every fingerprint rides in band, so no separate exchange happens."""
     results = run_distributed(_agree, 3)
     assert results == [(2 * (4 + 3 + 4), 0)] * 3
+
+
+@pytest.mark.parametrize("strategy, world, per_step", [
+    ("no_shard", 2, 4),  # one all-reduce per unit
+    ("hybrid_shard", 4, 4 + 3 + 4 + 4),  # full_shard inside the pair, plus one replica all-reduce per unit
+])
+def test_replica_all_reduces_carry_their_fingerprint_in_band_too(strategy, world, per_step):
+    results = run_distributed(_agree, world, strategy)
+    assert results == [(2 * per_step, 0)] * world
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
