@@ -170,12 +170,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             x, y = train_data.batch(step, micro)
             with shardwise.no_sync(model) if micro < accum - 1 else nullcontext():
                 loss = lm_loss(spec, model, x.to(device), y.to(device)) / accum
-                (scaler.scale(loss) if scaler else loss).backward()
+                (scaler.scale(loss) if scaler is not None else loss).backward()
             step_loss += float(loss.detach())
-        if scaler:
+        if scaler is not None:
             scaler.unscale_(optimizer)  # clip true gradients; an overflow makes the norm inf and the step skip
         grad_norm = float(shardwise.clip_grad_norm_(model, clip_to))
-        if scaler:
+        if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
         else:
