@@ -59,7 +59,18 @@ class MiniBlock(nn.Module):
         return x + self.proj(h)
 
 
-class SharedAcrossUnits(nn.Module):
+class EmbedBlocksHead(nn.Module):
+    """embed -> blocks -> head -> cross-entropy: the skeleton the small test nets below share. Subclasses
+    build ``embed``, ``blocks`` and ``head`` (in that order, which fixes their random init)."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h)
+        return F.cross_entropy(self.head(h).view(-1, self.head.out_features), y.view(-1))
+
+
+class SharedAcrossUnits(EmbedBlocksHead):
     """Two MiniBlocks (two units) that share one ``proj`` Linear, between an embedding and a head."""
 
     def __init__(self, vocab: int = 29, d: int = 11):
@@ -68,12 +79,6 @@ class SharedAcrossUnits(nn.Module):
         first = MiniBlock(d)
         self.blocks = nn.ModuleList([first, MiniBlock(d, proj=first.proj), MiniBlock(d)])
         self.head = nn.Linear(d, vocab)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for b in self.blocks:
-            h = b(h)
-        return F.cross_entropy(self.head(h).view(-1, self.head.out_features), y.view(-1))
 
 
 # ---- frozen base weights beside trainable adapters (LoRA) ----------------------------------------------
@@ -103,7 +108,7 @@ class LoRABlock(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-class LoRANet(nn.Module):
+class LoRANet(EmbedBlocksHead):
     """Frozen embedding and head, LoRA blocks whose units mix frozen and trainable parameters."""
 
     def __init__(self, vocab: int = 31, d: int = 13, n_layer: int = 2):
@@ -112,12 +117,6 @@ class LoRANet(nn.Module):
         self.blocks = nn.ModuleList([LoRABlock(d) for _ in range(n_layer)])
         self.head = nn.Linear(d, vocab, bias=False)
         self.embed.weight.requires_grad_(False)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for b in self.blocks:
-            h = b(h)
-        return F.cross_entropy(self.head(h).view(-1, self.head.out_features), y.view(-1))
 
 
 # ---- parameters of several dtypes in one unit ----------------------------------------------------------
@@ -137,18 +136,12 @@ class MixedDtypeBlock(nn.Module):
         return x + h
 
 
-class MixedDtypeNet(nn.Module):
+class MixedDtypeNet(EmbedBlocksHead):
     def __init__(self, vocab: int = 23, d: int = 5, n_layer: int = 2):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList([MixedDtypeBlock(d) for _ in range(n_layer)])
         self.head = nn.Linear(d, vocab)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for b in self.blocks:
-            h = b(h)
-        return F.cross_entropy(self.head(h).view(-1, self.head.out_features), y.view(-1))
 
 
 def forward_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
