@@ -1,10 +1,9 @@
 """Catching ranks that disagree about what they communicate, before it turns into a hang or mixed data.
 
-Every collective a sharded model issues is accompanied by a *fingerprint* exchange: each rank all-gathers a
-few int64s saying which call this is (a per-model sequence number), the operation, the unit, the flat
-group, the element count and the phase (forward / backward / other). The exchange has the same size on
-every rank whatever they are about to do, so it cannot itself mismatch; if the fingerprints differ, every
-rank raises the same ``ShardwiseError`` naming the unit, the operation and which ranks are where.
+Every collective a sharded model issues carries a *fingerprint* from every rank: which call this is (a
+per-model sequence number), the operation, the unit, the flat group, the element count and the phase
+(forward / backward / other). Every rank ends up with all ranks' fingerprints; if they differ, every rank
+raises the same ``ShardwiseError`` naming the unit, the operation and which ranks are where.
 
 Two ways to carry the fingerprint:
 
@@ -18,7 +17,8 @@ Two ways to carry the fingerprint:
   The same goes for the all-reduce across replicas (no_shard, hybrid strategies) on gloo.
 * **Out of band** (NCCL, gloo with native all-gather / reduce-scatter): a
   tiny all-gather of the same values on a dedicated gloo group, on the CPU, so under NCCL waiting on it
-  never waits on the GPU streams that carry the data. It is issued together with its collective and
+  never waits on the GPU streams that carry the data. It has the same size on every rank whatever they
+  are about to do, so it cannot itself mismatch. It is issued together with its collective and
   checked before that collective's result is used, so it adds no stall of its own.
 
 Either way the table is checked before the collective's result is used, so mixed-up data is never
