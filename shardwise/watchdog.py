@@ -12,16 +12,18 @@ The main thread only writes plain attributes (no store traffic, no lock, no thre
 * ``note_step()`` (called at every root forward) counts and times steps.
 
 The watchdog thread (one per process, a daemon, started by the first wait or ``note_step``) does one tiny
-operation a second on the default process group's c10d store, ``add(counter, 0)``, to learn whether a
-report was started:
+read-only operation a second on the default process group's c10d store, ``check([next report's key])``, to
+learn whether a report was started:
 
-1. A rank whose current blocking wait is older than the threshold starts one (counter + 1).
+1. A rank whose current blocking wait is older than the threshold starts one (the wait itself wakes the
+   watchdog at that moment instead of leaving it to the next poll).
 2. Every rank's watchdog sees it within a second and posts one line: where its main thread is (in which
    shardwise wait and for how long, or outside shardwise since which step and its last shardwise wait).
 3. The starting rank collects the lines for up to ``GATHER_S`` seconds (a rank that does not answer is
    reported silent: dead, or not yet in shardwise), decides the verdict and posts the report.
 4. Every rank prints the report to stderr as one block. If the verdict is to raise, each rank still in the
-   wait it reported raises ``ShardwiseError`` carrying the report, within ``SLICE_S`` seconds.
+   wait it reported raises ``ShardwiseError`` carrying the report, within ``SLICE_S`` seconds. The stuck
+   collective is still pending in the process group, which cannot be used any more: the process should exit.
 
 Threshold, ``SHARDWISE_STALL_S``:
 
@@ -257,7 +259,8 @@ def _render(report: dict, world: int) -> str:
     if report["raise"]:
         tail = ("Ranks must issue shardwise's collectives in the same order: a rank that ran fewer forwards "
                 "(generate() stopped early, a skipped batch) or called clip_grad_norm_ / full_state_dict "
-                "alone leaves the others waiting. The ranks waiting in shardwise raise ShardwiseError. "
+                "alone leaves the others waiting. The ranks waiting in shardwise raise ShardwiseError; their collective "
+                "stays pending, so the process group is unusable from here on: exit. "
                 f"{ENV}=<seconds> changes the threshold, {ENV}=0 turns the watchdog off.")
     else:
         tail = f"Report only, nothing raised: {report['why']}."
@@ -265,8 +268,19 @@ def _render(report: dict, world: int) -> str:
 
 
 class _Watchdog:
+    """Store keys, per report n = 1, 2, ...: ``{_KEY}/n/claim`` (counter: the first to add 1 starts it),
+    ``/start`` (set by that rank), ``/<rank>`` (each rank's line, JSON), ``/report`` (the verdict, JSON)."""
+
     def __init__(self) -> None:
-        self.handled: Optional[int] = None  # the last report this rank took part in (store counter)
+        self.store_id: Optional[int] = None
+        self.handled = 0  # the last report this rank took part in, or that existed when it first looked
+
+    @staticmethod
+    def latest(store) -> int:
+        n = 0
+        while store.check([f"{_KEY}/{n + 1}/start"]) or store.check([f"{_KEY}/{n + 1}/claim"]):
+            n += 1
+        return n
 
     def run(self) -> None:
         while True:
@@ -295,18 +309,22 @@ class _Watchdog:
                              "note": "other ranks unknown: the process group has no c10d store to ask"}, rank,
                             world)
             return
-        counter = f"{_KEY}/n"
-        cur = int(store.add(counter, 0))
-        if self.handled is None or cur < self.handled:
-            self.handled = cur  # first look, or a new process group's store: earlier reports are not ours
+        if id(store) != self.store_id:  # first look, or a new process group: earlier reports are not ours
+            self.store_id, self.handled = id(store), self.latest(store)
+        cur = self.handled + 1
+        # One read-only operation per poll: FileStore appends a record for every write, even add(key, 0).
+        started = store.check([f"{_KEY}/{cur}/start"])
         mine = False
-        if stalled and cur == self.handled:
-            cur, mine = int(store.add(counter, 1)), True
-        if cur == self.handled:
+        if stalled and not started:
+            if int(store.add(f"{_KEY}/{cur}/claim", 1)) == 1:
+                store.set(f"{_KEY}/{cur}/start", str(rank))
+                mine = True
+            else:
+                started = True  # another rank claimed it a moment ago: join that one
+        if not (started or mine):
             return
         line = json.dumps(_where(s, now))
-        for ep in range(max(self.handled + 1, cur - 8), cur + 1):  # every report started since the last one
-            store.set(f"{_KEY}/{ep}/{rank}", line)
+        store.set(f"{_KEY}/{cur}/{rank}", line)
         self.handled = cur
         s.reported = now
         if mine:
