@@ -3,6 +3,7 @@
 from shardwise.api import clip_grad_norm_, no_sync, shard
 from shardwise.checkpoint import CheckpointManager, export_checkpoint, load_checkpoint, save_checkpoint
 from shardwise.errors import ShardwiseError
+from shardwise.full_params import register_forward_method, summon_full_params
 from shardwise.grad_scaler import ShardedGradScaler
 from shardwise.mixed_precision import MixedPrecision
 from shardwise.offload import CPUOffload
@@ -15,6 +16,8 @@ __all__ = [
     "shard",
     "no_sync",
     "clip_grad_norm_",
+    "summon_full_params",
+    "register_forward_method",
     "full_state_dict",
     "load_full_state_dict",
     "save_checkpoint",

@@ -10,14 +10,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise import collectives, materialize
+from shardwise import collectives, device as devices, materialize
+from shardwise.buffers import BufferBroadcast
 from shardwise.checkpointing import checkpoint_unit
 from shardwise.consistency import CollectiveChecker, check_same_plan, checks_enabled
 from shardwise.errors import ShardwiseError
 from shardwise.flat_buffer import FlatGroup
 from shardwise.mixed_precision import MixedPrecision
 from shardwise.offload import CPUOffload
-from shardwise.plan import UnitsSpec, build_plan
+from shardwise.plan import UnitsSpec, build_plan, entry_modules
 from shardwise.runtime import ModelRuntime, Unit
 from shardwise.strategy import Strategy, resolve_groups
 
@@ -37,6 +38,7 @@ def shard(
     device: Optional[Union[str, torch.device]] = None,
     prefetch: bool = True,
     activation_checkpointing: bool = False,
+    broadcast_buffers: bool = True,
 ) -> nn.Module:
     """Shard ``model`` in place across the ranks of ``mesh`` (default: the whole world) and return it.
 
@@ -52,20 +54,25 @@ def shard(
         sync_module_states: take rank 0's parameters and buffers (other ranks may be on the meta device).
         param_init_fn: initialises a module's own parameters when the model is on the meta device
             (default: ``module.reset_parameters()``).
-        device: compute device; default ``cuda:<current>`` under NCCL, else CPU.
+        device: compute device; default: the parameters' accelerator, else ``cuda:<current>`` when the
+            process group moves CUDA tensors over NCCL, else CPU (``shardwise.device.compute_device``).
         prefetch: start the next unit's all-gather before the current one computes.
         activation_checkpointing: recompute each (non-root) unit's activations in backward instead of
             keeping them.
+        broadcast_buffers: before every forward, give every rank rank 0's buffers (BatchNorm running
+            statistics, ...), as DDP does by default, so that ranks evaluate alike and checkpoints hold what
+            every rank used. ``False`` keeps each rank's own buffers.
 
     After this call ``model.parameters()`` are the 1-D local shards (names unchanged); build the optimizer
     from them. During a unit's forward its parameters are full-shape views of a gathered buffer.
     """
     if hasattr(model, _STATE_ATTR):
-        raise ShardwiseError(f"shardwise.shard() was already called on this {type(model).__name__}; call it once")
+        raise ShardwiseError(f"shardwise.shard() was already called on this {type(model).__name__} (or on a model "
+                             f"that contains it); call it once, on the whole model")
     strategy = Strategy.parse(strategy)
     mp = mixed_precision or MixedPrecision()
     groups = resolve_groups(strategy, mesh)
-    compute_device = _resolve_device(model, device, groups.device_type)
+    compute_device = _resolve_device(model, device, groups)
 
     is_meta = any(p.is_meta for p in model.parameters())
     plan = build_plan(model, units, groups.shard_size)
@@ -94,24 +101,39 @@ def shard(
     _install_optimizer_check()
 
     runtime = ModelRuntime(strategy, groups, mp, prefetch)
+    runtime.checker = None
     if checks_enabled():
         check_same_plan(_describe_plan(plan, strategy, groups), _world_if_many())
-        checker = CollectiveChecker([u.label for u in plan.units], lambda: runtime.phase.value)
+        runtime.checker = CollectiveChecker([u.label for u in plan.units], lambda: runtime.phase.value)
         for ui, up in enumerate(plan.units):
             for gi, gp in enumerate(up.groups):
-                flat_groups[id(gp)].attach_checker(checker, ui, gi)
+                flat_groups[id(gp)].attach_checker(runtime.checker, ui, gi)
     for up in plan.units:
         unit = Unit(up, [flat_groups[id(gp)] for gp in up.groups], runtime)
         runtime.units.append(unit)
         unit.bind_sharded()
         up.module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
-        up.module.register_forward_hook(unit.post_forward, with_kwargs=True)
+        up.module.register_forward_hook(unit.post_forward, with_kwargs=True, always_call=True)
         if activation_checkpointing and not up.is_root:
             checkpoint_unit(unit)
+    # Modules that hold a unit's parameters enter the unit when called on their own (see runtime.py,
+    # [Note: entries]): an encoder called by generate(), a head called directly, a recompute.
+    for module, ui in entry_modules(plan):
+        unit = runtime.units[ui]
+        module.register_forward_pre_hook(unit.pre_submodule, with_kwargs=True)
+        module.register_forward_hook(unit.post_forward, with_kwargs=True, always_call=True)
     runtime.plan = plan
     runtime.state_dict_keys = state_dict_keys
     runtime.device = compute_device
-    setattr(model, _STATE_ATTR, runtime)
+    if broadcast_buffers and groups.data_parallel_size > 1:
+        sync = BufferBroadcast(model, runtime)
+        if sync.buffers:
+            runtime.before_forward.append(sync)
+    for m in model.modules():
+        setattr(m, _STATE_ATTR, runtime)  # runtime_of(any submodule): summon_full_params(model.encoder)
+        # transformers' generate() keeps ranks stepping together (synced_gpus) for models it sees as
+        # FSDP-managed: otherwise a rank that reaches EOS first stops calling forward and the others hang.
+        m._is_fsdp_managed_module = True
     return model
 
 
@@ -129,13 +151,14 @@ def _describe_plan(plan, strategy: Strategy, groups) -> str:
 
 
 def runtime_of(model: nn.Module) -> ModelRuntime:
+    """The runtime of the sharded model that ``model`` is (or is a submodule of)."""
     rt = getattr(model, _STATE_ATTR, None)
     if rt is None:
         raise ShardwiseError(f"{type(model).__name__} is not sharded: call shardwise.shard(model, ...) first")
     return rt
 
 
-def _resolve_device(model: nn.Module, device, device_type: str) -> torch.device:
+def _resolve_device(model: nn.Module, device, groups) -> torch.device:
     real: dict[torch.device, str] = {}
     meta_name = None
     for name, p in model.named_parameters():
@@ -152,11 +175,7 @@ def _resolve_device(model: nn.Module, device, device_type: str) -> torch.device:
             f"parameters are on different devices: {meta_name!r} on meta and {n!r} on {d}; build the whole "
             f"model on the meta device (shard() then materialises it) or none of it"
         )
-    if device is not None:
-        return torch.device(device)
-    if device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return devices.compute_device(real, groups.shard or groups.replicate, explicit=device)
 
 
 _optimizer_check_installed = False
@@ -215,6 +234,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     grads = list(_shard_grads(rt))
     norm_type = float(norm_type)
     device = rt.device
+    if rt.checker is not None and rt.groups.shard is not None:
+        rt.checker.check_now("clip_grad_norm", 1)
     if math.isinf(norm_type):
         # A rank's piece of a parameter may be empty (max() of nothing raises): only non-empty pieces count.
         maxes = [g.detach().abs().max().float() for g in grads if g.numel()]

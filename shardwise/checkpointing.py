@@ -1,9 +1,11 @@
 """Activation checkpointing of whole units (non-reentrant ``torch.utils.checkpoint``).
 
 The unit's forward runs once without keeping activations; backward re-runs it to rebuild them. The
-recompute does not go through ``module.__call__`` (checkpoint calls the function it was given), so our
-forward hooks do not fire for it: the wrapped function binds the gathered parameters itself. By then the
-unit's pre-backward hook has already re-gathered them, so the recompute costs no communication.
+recompute calls ``forward`` directly, not ``module.__call__``, so no forward hook fires for it: it finds
+the unit's parameters bound already, because the unit's pre-backward hook gathered them and bound its
+backward views (runtime.py, [Note: entries]), so the recompute costs no communication. Any other
+recompute (``torch.utils.checkpoint`` in either mode, Hugging Face's gradient checkpointing) works the
+same way.
 """
 
 from __future__ import annotations
@@ -13,27 +15,17 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from shardwise.runtime import Phase, Unit
+from shardwise.runtime import Unit
 
 
 def checkpoint_unit(unit: Unit) -> None:
     module = unit.plan.module
     inner = module.forward
 
-    def run(*args, **kwargs):
-        if unit.model.phase is not Phase.BACKWARD:
-            return inner(*args, **kwargs)  # first pass: pre-forward hook bound the parameters
-        unit.unshard(wait=True)
-        unit.bind_full()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            unit.bind_sharded()
-
     @functools.wraps(inner)
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
-        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     module.forward = forward

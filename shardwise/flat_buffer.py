@@ -71,6 +71,11 @@ class FlatGroup:
             at = spec.offset + lo - start if hi > lo else 0
             self.local_slices.append((lo, hi, at))
             self.shard_params.append(nn.Parameter(self.shard.narrow(0, at, hi - lo), requires_grad=spec.requires_grad))
+        # Where each shard parameter's data must stay: a conversion after shard() (model.half(), p.data = ...)
+        # moves it, and forward would silently keep computing with the flat shard (see changed_param).
+        # The storage, not the data pointer: a rank's empty piece has data_ptr 0 whatever it points into, and
+        # the verdict must be the same on every rank (one rank raising alone would leave the others waiting).
+        self._param_homes = [_home(p) for p in self.shard_params]
 
         # With one rank per shard group, no cast and no offload, the "gathered" buffer *is* the shard:
         # nothing to communicate and nothing to free (no_shard / DDP).
@@ -106,6 +111,8 @@ class FlatGroup:
         CPU reads back anyway (under NCCL reading it back would stall the CPU on the GPU)."""
         self.checker, self.ids = checker, (unit_index, group_index)
         shard, replicate = self.groups.shard, self.groups.replicate
+        if not carries_digits(self.param_dtype):
+            return  # bool / int8 cannot hold the digits 0-255 exactly under a sum: the side exchange checks
         if shard is not None and collectives.gathers_by_all_reduce(shard):
             slots = (dist.get_process_group_ranks(shard), self.groups.shard_rank)
             self._in_band["all_gather"] = self._in_band["reduce_scatter"] = slots
@@ -142,10 +149,35 @@ class FlatGroup:
         return f"{op} of unit {self.plan.unit_fqn or '<root>'!r} ({self.plan.dtype}, {self.plan.padded_numel} elements)"
 
     # ---- parameters -------------------------------------------------------------------------------
+    def any_requires_grad(self) -> bool:
+        """Read at every forward: parameters may be frozen or unfrozen after shard()."""
+        return any(p.requires_grad for p in self.shard_params)
+
+    def changed_param(self) -> Optional[int]:
+        """Index of the first shard parameter whose data is no longer its piece of the flat shard, or None."""
+        for i, (p, home) in enumerate(zip(self.shard_params, self._param_homes)):
+            if _home(p) != home:
+                return i
+        return None
+
     def full_views(self) -> list[torch.Tensor]:
         """Fresh full-shape views of the gathered buffer, one per parameter (valid while gathered)."""
         g = self.gathered
         return [g.narrow(0, s.offset, s.numel).view(s.shape) for s in self.plan.params]
+
+    def gather_full(self) -> torch.Tensor:
+        """The whole group in its master dtype, in a new buffer (padding included): for state dicts and
+        summon_full_params. Fingerprinted like the unit's own all-gather."""
+        if self.groups.shard is None:
+            return self.shard.clone()
+        padded = self.plan.padded_numel
+        stamp = self._announce("all_gather", padded, self.plan.dtype)  # in band, or the side exchange
+        full = torch.empty(padded + (stamp.header.numel() if stamp else 0), dtype=self.plan.dtype,
+                           device=self.shard.device)
+        work = collectives.all_gather_into(full, self.shard, self.groups.shard, async_op=True,
+                                           header=stamp.header if stamp else None)
+        self._wait_checked(work, "all_gather", stamp, full)
+        return full.narrow(0, 0, padded)
 
     # ---- unshard / reshard ------------------------------------------------------------------------
     def begin_unshard(self) -> None:
@@ -218,15 +250,19 @@ class FlatGroup:
                              divide_by=1 if pre_divide else dp, stamp=stamp)
 
     def accumulate_grad_shard(self, grad_shard: torch.Tensor) -> None:
-        """Give each shard parameter its piece of ``grad_shard`` (a view, so grads stay one flat buffer)."""
+        """Give each trainable shard parameter its piece of ``grad_shard`` (a view, so grads stay one flat
+        buffer), then run its post-accumulate-grad hooks as autograd would have."""
         if grad_shard.dtype != self.plan.dtype or grad_shard.device != self.shard.device:
             grad_shard = grad_shard.to(device=self.shard.device, dtype=self.plan.dtype)
         for p, (lo, hi, at) in zip(self.shard_params, self.local_slices):
+            if not p.requires_grad:
+                continue  # frozen after shard(): autograd would give it no gradient either
             piece = grad_shard.narrow(0, at, hi - lo)
             if p.grad is None:
                 p.grad = piece
             else:
                 p.grad.add_(piece)
+            run_post_accumulate_grad_hooks(p)
 
     def has_unsynced_grad(self) -> bool:
         return self._unsynced_grad is not None
@@ -243,10 +279,15 @@ class PendingReduce:
         self.group, self.flat, self.work, self.divide_by, self.stamp = group, flat, work, divide_by, stamp
         self.out_buffer, self.out_numel = out_buffer, out_numel
 
-    def finish(self) -> None:
+    def finish(self, discard: bool = False) -> None:
+        """Complete the reduction (every rank issued it) and hand out the gradient, or drop it (``discard``:
+        the backward that produced it raised)."""
         g = self.group
         g._wait_checked(self.work, "reduce_scatter", self.stamp, self.flat)
         self.flat = None  # the unsharded gradient buffer dies here
+        if discard:
+            self.out_buffer = None
+            return
         out = self.out_buffer.narrow(0, 0, self.out_numel)
         if g.groups.replicate is not None:
             stamp = g._announce("all_reduce", self.out_numel, out.dtype)
@@ -260,3 +301,23 @@ class PendingReduce:
             out.div_(self.divide_by)
         self.group.accumulate_grad_shard(out)
         self.out_buffer = None
+
+
+def _home(p: torch.Tensor) -> tuple:
+    return p.untyped_storage().data_ptr(), p.storage_offset(), p.dtype, p.device
+
+
+def carries_digits(dtype: torch.dtype) -> bool:
+    """Whether a sum in ``dtype`` delivers the in-band fingerprint digits 0-255 exactly (consistency.py)."""
+    return dtype.is_floating_point or dtype in (torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def run_post_accumulate_grad_hooks(p: torch.Tensor) -> None:
+    """Hooks from ``p.register_post_accumulate_grad_hook`` (optimizer-in-backward). Autograd runs them from
+    its AccumulateGrad node, which shard gradients bypass (they are views of the reduced flat shard), so we
+    run them when the gradient is handed out, as torch FSDP2 does. Private attribute
+    ``_post_accumulate_grad_hooks`` (checked on torch 2.11 and 2.13)."""
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+    if hooks:
+        for hook in list(hooks.values()):
+            hook(p)

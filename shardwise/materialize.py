@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from shardwise.errors import ShardwiseError
 from shardwise.flat_buffer import FlatGroup
+from shardwise.hf_init import hf_param_init_fn, is_hf_model
 from shardwise.plan import ParamSpec
 
 
@@ -49,16 +50,30 @@ def fill_from_meta(
     device: torch.device,
     param_init_fn: Optional[Callable[[nn.Module], None]],
 ) -> None:
+    """Default init: ``module.reset_parameters()``, or for a Hugging Face model the model's own
+    ``_init_weights`` (hf_init.py), so that a meta build comes out as ``from_config`` would."""
+    if param_init_fn is None and is_hf_model(model):
+        param_init_fn = hf_param_init_fn(model, device)
     where = _specs_by_param(groups)
     done: set[int] = set()
+    uninitialised: list[str] = []
     for mod_name, module in model.named_modules():
         direct = [(n, p) for n, p in module._parameters.items() if p is not None]
-        meta_buffers = [(n, b) for n, b in module._buffers.items() if b is not None and b.is_meta]
-        for n, b in meta_buffers:
-            module._buffers[n] = torch.empty_like(b, device=device)
+        # A buffer on meta is allocated here and must be written by the init below (reset_parameters,
+        # param_init_fn, HF's _init_weights); one nobody writes would hold garbage, different on every rank.
+        placeholders = {}
+        for n, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                t = torch.empty_like(b, device=device)
+                module._buffers[n] = t
+                placeholders[n] = (t, t._version)
         if not direct:
-            if meta_buffers and param_init_fn is not None:
-                param_init_fn(module)
+            if placeholders:
+                if param_init_fn is not None:
+                    param_init_fn(module)
+                elif hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+            uninitialised += _still_unwritten(module, mod_name, placeholders)
             continue
         originals = dict(direct)
         # Fresh full tensors for *every* direct parameter, tied ones included: eager construction
@@ -84,6 +99,20 @@ def fill_from_meta(
         finally:
             for n, p in originals.items():
                 module._parameters[n] = p
+        uninitialised += _still_unwritten(module, mod_name, placeholders)
+    if uninitialised:
+        raise ShardwiseError(
+            f"buffer(s) {', '.join(uninitialised[:8])}{' ...' if len(uninitialised) > 8 else ''} were built on the "
+            f"meta device and nothing initialised them (no reset_parameters(), and param_init_fn did not write "
+            f"them); pass shard(param_init_fn=...) that fills them, or build the model with real buffers "
+            f"(only parameters need the meta device), or sync_module_states=True with rank 0 built for real")
+
+
+def _still_unwritten(module: nn.Module, mod_name: str, placeholders: dict) -> list[str]:
+    """Names of the buffers allocated for ``module`` that no init wrote (same tensor, same version)."""
+    prefix = f"{mod_name}." if mod_name else ""
+    return [f"{prefix}{n} ({type(module).__name__})" for n, (t, version) in placeholders.items()
+            if module._buffers.get(n) is t and t._version == version]
 
 
 def fill_group_from_rank0(

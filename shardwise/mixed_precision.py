@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 import torch
 
+from shardwise.nested import map_tensors
+
 
 @dataclass(frozen=True)
 class MixedPrecision:
@@ -30,35 +32,6 @@ class MixedPrecision:
         if self.reduce_dtype is not None and dtype.is_floating_point:
             return self.reduce_dtype
         return self.compute_dtype(dtype)
-
-
-def map_tensors(obj: Any, fn) -> Any:
-    """Apply ``fn`` to every tensor in nested tuples/lists/dicts (named tuples and dict subclasses kept)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(map_tensors(x, fn) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(x, fn) for x in obj)
-    if isinstance(obj, dict):
-        out = {k: map_tensors(v, fn) for k, v in obj.items()}
-        try:
-            return type(obj)(**out) if type(obj) is not dict else out
-        except TypeError:
-            return out
-    return obj
-
-
-def iter_tensors(obj: Any):
-    """Every tensor inside nested tuples/lists/dicts (Hugging Face ModelOutput is a dict)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from iter_tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from iter_tensors(x)
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:

@@ -235,3 +235,24 @@ def build_plan(model: nn.Module, units: Optional[UnitsSpec], shard_size: int) ->
                 offset += p.numel
             up.groups.append(FlatGroupPlan(up.fqn, dtype, rg, params, shard_size))
     return ShardingPlan(plans, shard_size)
+
+
+def entry_modules(plan: ShardingPlan) -> list[tuple[nn.Module, int]]:
+    """(module, unit index) for every module below a unit's own module that holds, itself or further down,
+    a parameter the unit owns: calling such a module on its own must gather the unit first. The walk goes
+    down each registration's name from the owning unit's module (tied weights: every place they appear)."""
+    out, seen = [], set()
+    for ui, unit in enumerate(plan.units):
+        prefix = f"{unit.fqn}." if unit.fqn else ""
+        for spec in unit.params():
+            for ref in spec.refs:
+                if not ref.fqn.startswith(prefix):
+                    continue  # the unit's module is shared and reached by another path: covered by that one
+                path = ref.fqn[len(prefix):].split(".")[:-1]  # module names below the unit, then the param
+                module = unit.module
+                for name in path:
+                    module = module._modules[name]
+                    if (id(module), ui) not in seen:
+                        seen.add((id(module), ui))
+                        out.append((module, ui))
+    return out

@@ -1,37 +1,55 @@
-"""The per-step runtime: module hooks that unshard before compute, reshard after, prefetch the next unit,
-and reduce-scatter gradients the moment a unit's backward is done.
+"""The per-step runtime: hooks that unshard a unit before its code runs, reshard it after, prefetch the next
+unit, and reduce-scatter gradients the moment a unit's backward is done.
 
 Order of events for one unit under full_shard (forward order recorded on the previous step)::
 
-    pre-forward     all-gather (or wait for the prefetched one) -> start next unit's all-gather -> bind views
-    post-forward    bind shards back -> free gathered buffer -> hook the outputs for backward
-    pre-backward    (first gradient reaching an output) re-gather -> start previous unit's all-gather
-    post-backward   (UnshardParams.backward: every parameter's gradient is ready) pack + reduce-scatter
-                    (async) -> free gathered buffer
-    end of backward wait all reduce-scatters -> grads land in .grad of the shard parameters
-
-A unit with no trainable parameters (frozen) has no ``UnshardParams`` backward to tell it its backward is
-done. If gradients flow through it to earlier units it is re-gathered in backward, so it gets another
-signal: a multi-grad hook on its inputs, which fires once the gradients w.r.t. all of them exist, i.e.
-after the unit's own backward. Without it a frozen middle block would stay gathered until the end of
-backward.
+    enter (pre-forward)   all-gather (or wait for the prefetched one) -> start next unit's all-gather -> bind views
+    exit (post-forward)   bind shards back -> free gathered buffer -> hook the outputs for backward
+    pre-backward          (first gradient reaching an output) re-gather -> start previous unit's all-gather
+                          -> bind views again (any recompute now sees full parameters)
+    post-backward         (UnshardParams.backward: every parameter's gradient is ready) pack + reduce-scatter
+                          (async) -> bind shards -> free gathered buffer
+    end of backward       wait all reduce-scatters -> grads land in .grad of the shard parameters
 
 [Note: gathered parameters are autograd outputs] Module parameters during forward are the outputs of
 ``UnshardParams``, whose inputs are the shard parameters. Autograd therefore calls its backward exactly
 once per forward, after the last use of any of the unit's parameters, handing over all of their gradients
-together: that is the post-backward hook, with no per-parameter hooks and no guessing.
+together: that is the post-backward hook, with no per-parameter hooks and no guessing. It is also how a
+backward is noticed from inside autograd whatever the model returns (a dataclass, a custom object): the
+first ``UnshardParams.backward`` of a pass queues the end-of-backward callback if no output hook did.
+
+[Note: entries] A unit's parameters are needed whenever code that uses them runs, not only in the unit's
+own forward: ``generate()`` of an encoder-decoder calls the encoder alone, ``model.head(x)`` calls a
+module whose weight lives in the root unit, activation checkpointing (ours, ``torch.utils.checkpoint`` in
+either mode, Hugging Face's, which checkpoints ``forward`` and so bypasses module hooks) re-runs a unit's
+code inside backward. So every module that holds a unit's parameters (directly or below it) carries the
+unit's entry hooks, and a call to any of them while the unit is not entered enters it. Entries nest as a
+stack of frames per unit; the post-forward hook is registered with ``always_call`` so an exception in
+forward (a caught OOM, the early stop of non-reentrant checkpointing) still pops its frame and rebinds.
+Inside backward (the autograd engine is running) an entry is a *recompute*: it binds the unit's backward
+views (one ``UnshardParams`` per unit per backward, so a reentrant recompute reduces once) and keeps the
+unit gathered for its backward, which follows.
+
+[Note: recovery] A backward that raises never reaches its end-of-backward callback (autograd drops queued
+callbacks on error). The next top-level forward finds the runtime still in its backward phase and
+recovers: in-flight reductions are completed (every rank issued them) and dropped, as are the failed
+pass's backward views, and every unit is resharded with its shards bound. A caught exception therefore
+costs nothing but the gradients of the failed step, as in plain PyTorch after ``zero_grad()``.
 """
 
 from __future__ import annotations
 
 import enum
+import sys
 from collections import deque
 from typing import Optional
 
 import torch
 
+from shardwise.errors import ShardwiseError
 from shardwise.flat_buffer import FlatGroup, PendingReduce
-from shardwise.mixed_precision import MixedPrecision, cast_floating, iter_tensors
+from shardwise.mixed_precision import MixedPrecision, cast_floating
+from shardwise.nested import iter_tensors
 from shardwise.plan import UnitPlan
 from shardwise.strategy import Groups, Strategy
 
@@ -42,13 +60,21 @@ class Phase(enum.Enum):
     BACKWARD = "backward"
 
 
+def autograd_engine_running() -> bool:
+    """Whether this thread is executing a backward pass (a forward now is a recompute).
+
+    Private API, isolated here: ``torch._C._current_graph_task_id()`` is -1 outside the autograd engine
+    (checked on torch 2.11 and 2.13)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class BackwardTicket:
     """One forward of a unit whose backward is still owed: counts the trainable groups not yet reduced."""
 
-    __slots__ = ("unit", "remaining")
+    __slots__ = ("unit", "remaining", "counted")
 
-    def __init__(self, unit: "Unit", remaining: int):
-        self.unit, self.remaining = unit, remaining
+    def __init__(self, unit: "Unit", remaining: int, counted: bool):
+        self.unit, self.remaining, self.counted = unit, remaining, counted
 
 
 class UnshardParams(torch.autograd.Function):
@@ -58,7 +84,11 @@ class UnshardParams(torch.autograd.Function):
     def forward(ctx, group: FlatGroup, ticket: BackwardTicket, *shard_params: torch.Tensor):
         ctx.group, ctx.ticket = group, ticket
         ctx.set_materialize_grads(False)  # unused parameters arrive as None, not as zero tensors
-        return tuple(group.full_views())
+        views = group.full_views()
+        frozen = [v for v, p in zip(views, shard_params) if not p.requires_grad]
+        if frozen:  # frozen after shard(): no gradient is computed for it, none handed out
+            ctx.mark_non_differentiable(*frozen)
+        return tuple(views)
 
     @staticmethod
     def backward(ctx, *grads: Optional[torch.Tensor]):
@@ -66,19 +96,39 @@ class UnshardParams(torch.autograd.Function):
         return (None, None) + (None,) * len(grads)
 
 
+class FrameKind(enum.Enum):
+    FORWARD = "forward"  # a forward (or an entry through a submodule) outside backward
+    RECOMPUTE = "recompute"  # code of the unit re-run inside backward (activation checkpointing)
+    PASS = "pass"  # a submodule called while its unit's parameters are already bound: nothing to do
+    SUMMON = "summon"  # summon_full_params: full master-dtype parameters bound for a block of user code
+
+
+class Frame:
+    """One entry into a unit still in progress."""
+
+    __slots__ = ("kind", "views", "ticket", "hooked", "outer_exc", "top_level")
+
+    def __init__(self, kind: FrameKind, outer_exc):
+        self.kind = kind
+        self.views: Optional[list] = None
+        self.ticket: Optional[BackwardTicket] = None
+        self.hooked = False  # a frozen unit's inputs carry its post-backward signal
+        self.outer_exc = outer_exc  # the exception being handled around this call, if any (see exit)
+        self.top_level = False  # the root forward that starts a step
+
+
 class Unit:
-    """Runtime state of one unit: its flat groups and the hooks on its module."""
+    """Runtime state of one unit: its flat groups, its entry frames and its bindings."""
 
     def __init__(self, plan: UnitPlan, groups: list[FlatGroup], model: "ModelRuntime"):
         self.plan = plan
         self.groups = groups
         self.model = model
-        self.trainable = [g for g in groups if g.plan.requires_grad]
         self.reshard_after_forward = model.strategy.reshard_after_forward and not plan.is_root
         self.owed_backwards = 0
-        # A stack (a unit may call itself): per running forward, its ticket and whether a frozen unit's
-        # inputs carry the post-backward hook.
-        self._tickets: list[tuple[Optional[BackwardTicket], bool]] = []
+        self.frames: list[Frame] = []
+        self.backward_views: Optional[list] = None  # bound from pre-backward until post-backward
+        self._backward_ticket: Optional[BackwardTicket] = None
         # (params dict, name, group index, param index) for every registration of every parameter
         self._slots = [
             (ref.module._parameters, ref.name, gi, pi)
@@ -104,42 +154,107 @@ class Unit:
             g.reshard()
 
     # ---- module attributes ------------------------------------------------------------------------
-    def bind_full(self) -> Optional[BackwardTicket]:
+    def make_views(self, counted: bool) -> tuple[list, Optional[BackwardTicket]]:
+        """Full-shape views of every group; trainable groups' views are ``UnshardParams`` outputs under a
+        new ticket when autograd records. Which groups are trainable is read now: requires_grad may have
+        changed since shard()."""
+        trainable = [g.any_requires_grad() for g in self.groups] if torch.is_grad_enabled() else None
         ticket = None
-        if torch.is_grad_enabled() and self.trainable:
-            ticket = BackwardTicket(self, len(self.trainable))
+        if trainable is not None and any(trainable):
+            ticket = BackwardTicket(self, sum(trainable), counted)
         views = []
-        for g in self.groups:
-            if ticket is not None and g.plan.requires_grad:
-                views.append(UnshardParams.apply(g, ticket, *g.shard_params))
-            else:
-                views.append(g.full_views())
-        for params, name, gi, pi in self._slots:
-            params[name] = views[gi][pi]
-        return ticket
+        for g, rg in zip(self.groups, trainable or [False] * len(self.groups)):
+            views.append(UnshardParams.apply(g, ticket, *g.shard_params) if rg else g.full_views())
+        return views, ticket
+
+    def bind(self, views: Optional[list]) -> None:
+        """Bind ``views`` (one list per group) to every registration, or the shards when None."""
+        if views is None:
+            for params, name, gi, pi in self._slots:
+                params[name] = self.groups[gi].shard_params[pi]
+        else:
+            for params, name, gi, pi in self._slots:
+                params[name] = views[gi][pi]
 
     def bind_sharded(self) -> None:
-        for params, name, gi, pi in self._slots:
-            params[name] = self.groups[gi].shard_params[pi]
+        self.bind(None)
 
-    # ---- hooks ------------------------------------------------------------------------------------
+    def rebind(self) -> None:
+        """Bind what the innermost live entry needs: its frame's views, else the backward views, else shards."""
+        for f in reversed(self.frames):
+            if f.views is not None:
+                self.bind(f.views)
+                return
+        self.bind(self.backward_views)
+
+    def params_bound(self) -> bool:
+        return self.backward_views is not None or any(f.views is not None for f in self.frames)
+
+    def check_intact(self) -> None:
+        """Shard parameters must still be the views of the flat shard that shard() made them: a conversion
+        (``model.half()``, ``.to(dtype)``, ``.double()``, ``.to(device)``) or ``p.data = ...`` after shard()
+        would leave forward computing with the old values while the optimizer updates the new ones."""
+        for params, name, gi, pi in self._slots:
+            g = self.groups[gi]
+            p = g.shard_params[pi]
+            if params[name] is not p:
+                raise ShardwiseError(
+                    f"parameter {g.plan.params[pi].fqn!r} of unit {self.label!r} was replaced after "
+                    f"shardwise.shard(); change parameters before shard(), or load values with "
+                    f"shardwise.load_full_state_dict / shardwise.summon_full_params(writeback=True)")
+        for g in self.groups:
+            bad = g.changed_param()
+            if bad is not None:
+                p = g.shard_params[bad]
+                raise ShardwiseError(
+                    f"parameter {g.plan.params[bad].fqn!r} of unit {self.label!r} was converted after "
+                    f"shardwise.shard() (now {p.dtype} on {p.device}, its shard is {g.plan.dtype} on "
+                    f"{g.shard.device}): model.to(dtype), .half(), .double(), .to(device) and assigning p.data "
+                    f"are not supported on a sharded model; convert before shard(), or compute in another "
+                    f"dtype with shard(..., mixed_precision=shardwise.MixedPrecision(param_dtype=...))")
+
+    # ---- entries (see [Note: entries]) --------------------------------------------------------------
     def pre_forward(self, module, args, kwargs):
+        return self.enter(args, kwargs, submodule=False)
+
+    def pre_submodule(self, module, args, kwargs):
+        return self.enter(args, kwargs, submodule=True)
+
+    def enter(self, args, kwargs, submodule: bool):
         m = self.model
-        if self.plan.is_root:
-            m.begin_forward()
-        nxt = m.record_and_next(self)
-        self.unshard(wait=False)
-        if nxt is not None:
-            nxt.unshard(wait=False)  # issued now, waited on at its own pre-forward: overlaps our compute
-        self.unshard(wait=True)
-        ticket = self.bind_full()
+        in_backward = autograd_engine_running()
+        if submodule and self.params_bound() and (in_backward or self.frames):
+            self.frames.append(Frame(FrameKind.PASS, sys.exc_info()[1]))
+            return None
+        frame = Frame(FrameKind.RECOMPUTE if in_backward else FrameKind.FORWARD, sys.exc_info()[1])
+        if self.plan.is_root and not in_backward and not any(f.kind is FrameKind.FORWARD for f in self.frames):
+            frame.top_level = True
+            try:
+                m.begin_forward()  # may recover from a failed step, which clears every unit's frames
+            except BaseException:
+                self.frames.append(Frame(FrameKind.PASS, frame.outer_exc))  # for the always-called exit
+                raise
+        self.frames.append(frame)  # before anything else can fail: the always-called exit pops it
+        if not self.params_bound():
+            self.check_intact()
+        if in_backward:
+            m.begin_backward()
+            self.unshard(wait=True)
+            self.bind_backward_views()
+            frame.views = self.backward_views
+        else:
+            nxt = m.record_and_next(self)
+            self.unshard(wait=False)
+            if nxt is not None:
+                nxt.unshard(wait=False)  # issued now, waited on at its own entry: overlaps our compute
+            self.unshard(wait=True)
+            frame.views, frame.ticket = self.make_views(counted=True)
+            self.bind(frame.views)
         mp = m.mixed_precision
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = cast_floating(args, mp.param_dtype), cast_floating(kwargs, mp.param_dtype)
-        hooked = False
-        if ticket is None and torch.is_grad_enabled() and m.phase is not Phase.BACKWARD:
-            hooked = self._signal_when_input_grads_ready(args, kwargs)
-        self._tickets.append((ticket, hooked))
+        if frame.kind is FrameKind.FORWARD and frame.ticket is None and torch.is_grad_enabled():
+            frame.hooked = self._signal_when_input_grads_ready(args, kwargs)
         return args, kwargs
 
     def _signal_when_input_grads_ready(self, args, kwargs) -> bool:
@@ -151,38 +266,72 @@ class Unit:
         return True
 
     def post_forward(self, module, args, kwargs, output):
-        ticket, input_grads_hooked = self._tickets.pop()
-        grad_enabled = torch.is_grad_enabled()
-        self.bind_sharded()
+        """Registered with ``always_call``: runs after a forward that raised, too (then ``sys.exc_info()``
+        holds a different exception than it did at entry)."""
+        if not self.frames:
+            return None  # recovered in between: nothing of this entry is left
+        frame = self.frames.pop()
+        failed = sys.exc_info()[1] is not frame.outer_exc
+        if frame.kind is FrameKind.PASS:
+            return None
         m = self.model
-        if m.phase is Phase.BACKWARD:
-            pass  # activation-checkpoint recompute: its backward is next, keep the parameters gathered
-        elif grad_enabled:
-            if ticket is not None or input_grads_hooked:
-                self.owed_backwards += 1
-            for t in iter_tensors(output):
-                if t.requires_grad:
-                    t.register_hook(self._pre_backward_hook)
-            if self.reshard_after_forward:
+        self.rebind()
+        if frame.kind is FrameKind.RECOMPUTE:
+            return None  # its backward is next: keep the parameters gathered
+        if failed:
+            if not self.params_bound() and self.owed_backwards == 0:
                 self.reshard()
-        else:
-            self.reshard()  # inference: nothing will need these parameters again this step
-        if self.plan.is_root:
-            m.end_forward(grad_enabled)
-        return output
+        elif torch.is_grad_enabled() and (frame.ticket is not None or frame.hooked):
+            self.owed_backwards += 1
+            hooked = self._hook_outputs(output)
+            # An output autograd could reach without our hook would need the parameters in backward
+            # before we knew: keep them gathered until this unit's backward is done.
+            if self.reshard_after_forward and hooked and not self.params_bound():
+                self.reshard()
+        elif not self.params_bound() and self.owed_backwards == 0:
+            self.reshard()  # nothing will need these parameters again this step
+        if frame.top_level:
+            if failed:
+                m.abandon_forward()
+            else:
+                m.end_forward(torch.is_grad_enabled())
+        return None
+
+    def _hook_outputs(self, output) -> bool:
+        """Register the pre-backward hook on every output tensor that needs a gradient; False if none."""
+        hooked = False
+        for t in iter_tensors(output):
+            if t.requires_grad:
+                t.register_hook(self._pre_backward_hook)
+                hooked = True
+        return hooked
+
+    # ---- backward ---------------------------------------------------------------------------------
+    def bind_backward_views(self) -> None:
+        """Views for this unit's backward, made once per backward with autograd recording, so a reentrant
+        recompute's graph reaches ``UnshardParams`` (a non-reentrant one's never runs: no harm)."""
+        if self.backward_views is None:
+            with torch.enable_grad():
+                self.backward_views, self._backward_ticket = self.make_views(counted=False)
+        if not any(f.views is not None for f in self.frames):
+            self.bind(self.backward_views)
 
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         m = self.model
+        _refuse_double_backward(self.label)
         m.begin_backward()
         self.unshard(wait=False)
         prev = m.previous_in_forward(self)
         if prev is not None:
             prev.unshard(wait=False)
         self.unshard(wait=True)
+        self.bind_backward_views()
         return None
 
     def post_backward(self, group: FlatGroup, grads, ticket: BackwardTicket) -> None:
         m = self.model
+        _refuse_double_backward(self.label)
+        m.begin_backward()
         pending = group.reduce_grads(grads, sync=m.require_grad_sync)
         if pending is not None:
             m.add_pending(pending)
@@ -195,7 +344,30 @@ class Unit:
         self.owed_backwards -= 1
         if self.owed_backwards <= 0:
             self.owed_backwards = 0
-            self.reshard()
+            self.drop_backward_views()
+            if not self.frames:
+                self.reshard()
+
+    def drop_backward_views(self) -> None:
+        self.backward_views = self._backward_ticket = None
+        self.rebind()
+
+    def reset(self) -> None:
+        """Back to the state between steps: no entries (but summon_full_params blocks), nothing gathered."""
+        self.frames[:] = [f for f in self.frames if f.kind is FrameKind.SUMMON]
+        self.owed_backwards = 0
+        self.drop_backward_views()
+        self.reshard()
+
+
+def _refuse_double_backward(label: str) -> None:
+    # Gradients are computed under grad mode only for create_graph=True (double backward): the graph of the
+    # gradient would hold views of buffers that this very backward frees.
+    if torch.is_grad_enabled():
+        raise ShardwiseError(
+            f"backward with create_graph=True (double backward, e.g. a gradient penalty) reached unit "
+            f"{label!r}: shardwise frees gathered parameters during backward and does not support it; "
+            f"compute higher-order gradients outside the sharded model")
 
 
 class ModelRuntime:
@@ -211,7 +383,9 @@ class ModelRuntime:
         self.units: list[Unit] = []
         self.phase = Phase.IDLE
         self.require_grad_sync = True
-        self._order: list[Unit] = []  # units in pre-forward order, from the last completed forward
+        self.step = 0  # top-level forwards so far
+        self.before_forward: list = []  # callables run at the start of every top-level forward
+        self._order: list[Unit] = []  # units in entry order, from the last completed forward
         self._last_index: dict[int, int] = {}
         self._recording: list[Unit] = []
         self._on_track = False  # this forward so far matches the recorded order
@@ -219,8 +393,11 @@ class ModelRuntime:
 
     # ---- forward order and prefetch ---------------------------------------------------------------
     def begin_forward(self) -> None:
-        if self.phase is Phase.BACKWARD:
-            return
+        """A top-level forward of the root starts a step."""
+        self.settle()
+        self.step += 1
+        for fn in self.before_forward:
+            fn()
         self.phase = Phase.FORWARD
         self._recording = []
         self._on_track = True
@@ -237,7 +414,7 @@ class ModelRuntime:
         return None
 
     def end_forward(self, grad_enabled: bool) -> None:
-        if self.phase is Phase.BACKWARD:
+        if self.phase is not Phase.FORWARD:
             return
         self._order = self._recording
         self._last_index = {id(u): i for i, u in enumerate(self._order)}
@@ -245,6 +422,17 @@ class ModelRuntime:
         self.phase = Phase.IDLE
         if not grad_enabled:
             for u in self.units:  # a prefetched unit that did not run must not stay gathered
+                if not u.frames:
+                    u.reshard()
+
+    def abandon_forward(self) -> None:
+        """The top-level forward raised: its graph is gone, so no backward will come for what it ran."""
+        self._recording = []
+        self.phase = Phase.IDLE
+        for u in self.units:
+            if not u.frames:
+                u.owed_backwards = 0
+                u.drop_backward_views()
                 u.reshard()
 
     def previous_in_forward(self, unit: Unit) -> Optional[Unit]:
@@ -271,7 +459,61 @@ class ModelRuntime:
 
     def end_backward(self) -> None:
         self.finish_pending()
+        if self.require_grad_sync:
+            # A unit that ran in an earlier no_sync micro-batch but not in this one still holds its
+            # accumulated gradient: reduce it now, in unit order (the same on every rank).
+            for u in self.units:
+                for g in u.groups:
+                    if g.has_unsynced_grad():
+                        self.add_pending(g.reduce_grads([None] * len(g.plan.params), sync=True))
+            self.finish_pending()
         for u in self.units:
-            u.reshard()
             u.owed_backwards = 0
+            u.backward_views = u._backward_ticket = None
+            if not u.frames:
+                u.bind_sharded()
+                u.reshard()
         self.phase = Phase.IDLE
+
+    def settle(self) -> None:
+        """Between steps: recover if the last forward or backward raised (see [Note: recovery])."""
+        stale = self.phase is Phase.BACKWARD or any(
+            u.backward_views is not None or any(f.kind is not FrameKind.SUMMON for f in u.frames) for u in self.units)
+        if stale:
+            self.recover()
+
+    def recover(self) -> None:
+        while self._pending:
+            self._pending.popleft().finish(discard=True)
+        for u in self.units:
+            u.reset()
+        self.phase = Phase.IDLE
+
+    # ---- invariants -------------------------------------------------------------------------------
+    def invariant_violations(self) -> list[str]:
+        """What is not as it must be between steps (after a backward): the test harness asserts none."""
+        problems = []
+        if self.phase is not Phase.IDLE:
+            problems.append(f"runtime phase is {self.phase.value}, not idle")
+        if self._pending:
+            problems.append(f"{len(self._pending)} reductions still in flight")
+        for u in self.units:
+            if u.frames:
+                problems.append(f"unit {u.label!r} has {len(u.frames)} entries still open")
+            if u.backward_views is not None:
+                problems.append(f"unit {u.label!r} still holds backward views")
+            if u.owed_backwards:
+                problems.append(f"unit {u.label!r} still owes {u.owed_backwards} backward(s)")
+            for params, name, gi, pi in u._slots:
+                g = u.groups[gi]
+                if params[name] is not g.shard_params[pi]:
+                    problems.append(f"{g.plan.params[pi].fqn!r} is not bound to its shard parameter")
+            for g in u.groups:
+                if not g.aliases_shard and g.state.value != "sharded":
+                    problems.append(f"unit {u.label!r} ({g.plan.dtype}) is still {g.state.value}")
+                if self.require_grad_sync and g.has_unsynced_grad():
+                    problems.append(f"unit {u.label!r} ({g.plan.dtype}) holds an unreduced gradient")
+                bad = g.changed_param()
+                if bad is not None:
+                    problems.append(f"{g.plan.params[bad].fqn!r} is no longer a view of its flat shard")
+        return problems

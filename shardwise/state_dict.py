@@ -34,14 +34,12 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     rt = runtime_of(model)
     is_rank0 = dist.get_rank() == 0
+    if rt.checker is not None:
+        rt.checker.check_now("state_dict", len(rt.units))
     by_name: dict[str, torch.Tensor] = {}
     for u in rt.units:
         for g in u.groups:
-            if g.groups.shard is None:
-                full = g.shard
-            else:
-                full = torch.empty(g.plan.padded_numel, dtype=g.plan.dtype, device=g.shard.device)
-                collectives.all_gather_into(full, g.shard, g.groups.shard, async_op=False)
+            full = g.shard if g.groups.shard is None else g.gather_full()
             if is_rank0:
                 for spec in g.plan.params:
                     t = full.narrow(0, spec.offset, spec.numel).view(spec.shape).detach().to("cpu", copy=True)
@@ -94,6 +92,8 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
 
     rt = runtime_of(model)
     is_rank0 = dist.get_rank() == 0
+    if rt.checker is not None:
+        rt.checker.check_now("state_dict", len(rt.units))
     problem = collectives.broadcast_text(_validate(rt, model, state_dict) if is_rank0 else None, src=0)
     if problem:
         raise ShardwiseError(f"load_full_state_dict: {problem}")

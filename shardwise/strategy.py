@@ -109,7 +109,9 @@ def _groups_1d(strategy: Strategy, group, device_type: str) -> Groups:
 
 
 def _default_device_type() -> str:
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    from shardwise.device import compute_device
+
+    return compute_device([]).type
 
 
 def _default_hybrid_mesh():

@@ -179,7 +179,7 @@ def format_worst(label: str, errs: dict[str, float]) -> str:
 
 
 def parity_check(initial: nn.Module, loss_step: Callable, batches: Sequence, rank: int, world_size: int, *,
-                 optimizer: str = "sgd", shard_kwargs: dict) -> dict:
+                 optimizer: str = "sgd", shard_kwargs: dict, unsettled_steps: Sequence[int] = ()) -> dict:
     """Train a sharded copy and an unsharded reference copy of ``initial`` side by side and measure them.
 
     ``loss_step(model, batch, step, take)`` runs forward *and* backward for one step and returns the loss;
@@ -196,6 +196,8 @@ def parity_check(initial: nn.Module, loss_step: Callable, batches: Sequence, ran
     for step, batch in enumerate(batches):
         ref_loss = loss_step(ref, batch, step, lambda t: t)
         loss = loss_step(model, batch, step, lambda t: local_slice(t, rank, world_size))
+        if step not in unsettled_steps:  # a step whose backward raised settles at the next forward
+            assert_engine_clean(model, f"after step {step}'s backward")
         ref_opt.step()
         opt.step()
         ref_opt.zero_grad(set_to_none=True)
@@ -207,6 +209,16 @@ def parity_check(initial: nn.Module, loss_step: Callable, batches: Sequence, ran
     sd = shardwise.full_state_dict(model)
     final = worst(state_errors(sd, ref.state_dict())) if rank == 0 else None
     return {"loss": loss_err, "param": param_err, "final": final}, model, ref
+
+
+def assert_engine_clean(model: nn.Module, when: str = "after backward") -> None:
+    """The engine's state between steps: runtime idle, nothing in flight, every module parameter its 1-D
+    shard ``nn.Parameter`` (still a view of the flat shard), nothing left gathered, no entry still open, no
+    unreduced gradient outside ``no_sync``. Every parity run asserts it after every backward."""
+    from shardwise.api import runtime_of
+
+    problems = runtime_of(model).invariant_violations()
+    assert not problems, f"engine not clean {when}: " + "; ".join(problems)
 
 
 def assert_parity(metrics: dict, rtol: float = 1e-6, label: str = "") -> None:
