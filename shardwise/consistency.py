@@ -42,7 +42,9 @@ import torch.distributed as dist
 from shardwise import collectives
 from shardwise.errors import ShardwiseError
 
-OPS = ("all_gather", "reduce_scatter", "all_reduce")
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast_buffers", "clip_grad_norm", "state_dict",
+       "summon_full_params", "checkpoint")
+MODEL = 256**3 - 1  # the unit field of a collective that belongs to the model as a whole, not to one unit
 PHASES = ("idle", "forward", "backward")
 
 # In-band header layout per rank: a marker digit (so an unstamped, all-zero slot never reads as a valid
@@ -85,7 +87,7 @@ class CollectiveChecker:
         self.unit_labels = list(unit_labels)
         self.phase_fn = phase_fn
         self.world = dist.get_world_size()
-        self.group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self.group = side_group() if self.world > 1 else None
         self.seq = 0
         self._pending = None  # (work, gathered fingerprints, my fingerprint) of the last exchange
 
@@ -109,6 +111,15 @@ class CollectiveChecker:
         except RuntimeError as e:
             raise self._peer_failed(values, e) from e
         self._pending = (work, everyone, values)
+
+    def check_now(self, op: str, numel: int, unit: int = MODEL, group: int = 0) -> None:
+        """Agree, before issuing it, on a collective outside the unit schedule (clipping, buffer broadcast,
+        state dicts, checkpoint agreement). Blocking, and on the side group whose exchange has the same size
+        whatever each rank is about to do: two ranks calling different collectives of different sizes would
+        otherwise meet in one collective that gloo aborts ("Received data size doesn't match") before any
+        fingerprint could be read. One tiny exchange per call; these calls are rare (at most once a step)."""
+        self.check(op, unit, group, numel)
+        self.verify()
 
     def stamp(self, op: str, unit: int, group: int, numel: int, slot_ranks: list[int], my_slot: int,
               dtype: torch.dtype, device: torch.device) -> Stamp:
@@ -165,8 +176,47 @@ class CollectiveChecker:
 
     def _describe(self, v: list[int]) -> str:
         seq, op, unit, group, numel, phase = v
+        what = OPS[op] if 0 <= op < len(OPS) else f"operation #{op}"
+        if unit == MODEL:
+            return f"{what} of the model ({numel} elements, {PHASES[phase]}, call {seq})"
         label = self.unit_labels[unit] if 0 <= unit < len(self.unit_labels) else f"#{unit}"
-        return f"{OPS[op]} of unit {label!r} (flat group {group}, {numel} elements, {PHASES[phase]}, call {seq})"
+        return f"{what} of unit {label!r} (flat group {group}, {numel} elements, {PHASES[phase]}, call {seq})"
+
+
+_side_groups: dict = {}
+
+
+def side_group():
+    """The gloo group of all ranks that carries fingerprint exchanges, made once per world (``new_group`` is
+    itself a collective: every rank reaches its first use at the same point, a ``shard()`` or a checkpoint
+    call). Every checker shares it, so two ranks checking different things pair up and disagree loudly."""
+    key = id(dist.group.WORLD)
+    if key not in _side_groups:
+        _side_groups[key] = dist.new_group(backend="gloo", timeout=_world_timeout())
+    return _side_groups[key]
+
+
+def _world_timeout():
+    """The timeout the user gave ``init_process_group``: ``new_group`` would otherwise default to gloo's 30
+    minutes, and a stuck exchange would outlive every data collective. Private attributes, isolated here
+    (checked on torch 2.13; None, the torch default, where they are missing)."""
+    try:
+        return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_standalone: dict = {}
+
+
+def check_collective(op: str, numel: int) -> None:
+    """``check_now`` for collectives that belong to no sharded model (checkpoint agreement)."""
+    if not checks_enabled() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    key = id(dist.group.WORLD)
+    if key not in _standalone:
+        _standalone[key] = CollectiveChecker([], lambda: "idle")
+    _standalone[key].check_now(op, numel)
 
 
 def check_same_plan(description: str, group: Optional[dist.ProcessGroup]) -> None:
