@@ -8,7 +8,9 @@ save and load ends in ``raise_if_any``, which all ranks call, so either all go o
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import traceback
 from typing import Any, Callable, Optional, TypeVar
 
@@ -19,6 +21,7 @@ from shardwise.collectives import broadcast_text
 from shardwise.errors import ShardwiseError
 
 T = TypeVar("T")
+DEBUG_ENV = "SHARDWISE_DEBUG"  # the switch behind the CLI's --debug: tracebacks instead of one line
 
 
 def is_distributed() -> bool:
@@ -58,13 +61,27 @@ def raise_if_any(problem: Optional[str]) -> None:
 
 
 def attempt(fn: Callable[[], T], what: str) -> tuple[Optional[T], Optional[str]]:
-    """Run ``fn``; return (result, None) or (None, error text) instead of raising, for ``raise_if_any``."""
+    """Run ``fn``; return (result, None) or (None, error text) instead of raising, for ``raise_if_any``.
+
+    The text is one line (a full disk must not hide behind a traceback): the step, the rank and, for an
+    OSError, the file and the system's reason. ``SHARDWISE_DEBUG=1`` appends the traceback."""
     try:
         return fn(), None
     except ShardwiseError as e:
         return None, str(e)
     except Exception as e:  # an OSError on one rank must still reach the others as text
-        return None, f"{what} failed on rank {rank()}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
+        text = f"{what} failed on rank {rank()}: {describe_exception(e)}"
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            text += "\n" + traceback.format_exc(limit=3)
+        return None, text
+
+
+def describe_exception(e: BaseException) -> str:
+    """``OSError: [ENOSPC] No space left on device: '/x/rank-0.safetensors'`` rather than a traceback."""
+    if isinstance(e, OSError) and e.strerror:
+        code = errno.errorcode.get(e.errno, str(e.errno))
+        return f"{type(e).__name__}: [{code}] {e.strerror}" + (f": {e.filename!r}" if e.filename else "")
+    return f"{type(e).__name__}: {e}"
 
 
 def agreed(fn: Callable[[], T], what: str) -> T:

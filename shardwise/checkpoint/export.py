@@ -2,48 +2,87 @@
 models) plus, for a model built from a Hugging Face config, the ``config.json`` that lets
 ``AutoModelForCausalLM.from_pretrained(OUT)`` load it.
 
-Runs in one process with no process group. Each output tensor is assembled from its pieces (lazy reads
-of the rank files) right before it is written and dropped right after, so memory holds one parameter at
-a time, never a unit, let alone the model. Only parameters and buffers are exported; optimizer state
-and ``extra`` stay in the checkpoint.
+Runs in one process with no process group. Before writing anything, the checkpoint is verified as a
+whole (``verify.py``: commit record, manifest schema, every file's size, SHA-256 and header) and the
+tensors are checked against the model the manifest describes (``model_description.py``): export
+refuses any inconsistency rather than casting or reshaping. Each output tensor is then assembled from
+its pieces right before it is written and dropped right after, so memory holds one parameter at a time.
+
+The output appears atomically: everything is written into a temporary directory beside ``OUT``, which is
+renamed to ``OUT`` only once complete. An existing ``OUT`` is replaced only then, and only if it holds
+nothing but files an export writes (an empty directory, or an earlier export); a failed export leaves it
+as it was. Only parameters and buffers are exported; optimizer state and ``extra`` stay in the checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
+import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import torch
-from safetensors import safe_open
 
-from shardwise.checkpoint.format import (MANIFEST_NAME, dtype_from_name, files_problem, read_manifest,
-                                         write_json_durably, write_safetensors_streamed)
+from shardwise.checkpoint.files import unwritable_dir_problem
+from shardwise.checkpoint.format import (COMMIT_NAME, MANIFEST_NAME, dtype_from_name, fsync_dir, write_json_durably,
+                                         write_safetensors_streamed)
 from shardwise.checkpoint.manager import find_latest
+from shardwise.checkpoint.model_description import description_problem
+from shardwise.checkpoint.safetensors_file import SafetensorsFile
+from shardwise.checkpoint.verify import close_all, open_verified, read_manifest
 from shardwise.errors import ShardwiseError
 
 PathLike = Union[str, os.PathLike]
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_OUR_WEIGHT_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
+_EXPORT_OUTPUT = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|config\.json"
+                            r"|shardwise_model\.json)$")
 
 
 def resolve_checkpoint(src: PathLike) -> Path:
-    """A checkpoint directory as is; a run directory -> its newest complete checkpoint."""
+    """A checkpoint directory as is; a run directory -> its newest checkpoint (``find_latest``)."""
     src = Path(src)
-    if (src / MANIFEST_NAME).is_file():
-        return src
-    if not src.is_dir():
+    if not src.exists():
         raise ShardwiseError(f"{src}: no such checkpoint or run directory")
+    if not src.is_dir():
+        raise ShardwiseError(f"{src}: not a directory; expected a checkpoint or a run directory")
+    if any((src / n).exists() or (src / n).is_symlink() for n in (COMMIT_NAME, MANIFEST_NAME)):
+        return src
     latest = find_latest(src)
     if latest is None:
-        raise ShardwiseError(f"{src}: neither a shardwise checkpoint ({MANIFEST_NAME} missing) nor a run directory "
-                             f"holding a complete one (no step-* directory with a complete manifest)")
+        raise ShardwiseError(f"{src}: neither a shardwise checkpoint ({COMMIT_NAME} and {MANIFEST_NAME} missing) nor "
+                             f"a run directory holding one (no step-* directory)")
     return latest
+
+
+def check_output(out: PathLike, ckpt: Optional[Path] = None) -> Path:
+    """Refuse an ``OUT`` that export could not write, or should not replace. Returns it as a Path."""
+    out = Path(out)
+    if out.is_symlink():
+        raise ShardwiseError(f"{out}: is a symbolic link; give export the real directory to write")
+    if out.exists():
+        if not out.is_dir():
+            raise ShardwiseError(f"{out}: exists and is not a directory; export writes a directory of files")
+        foreign = sorted(p.name for p in out.iterdir() if not (_EXPORT_OUTPUT.match(p.name) and p.is_file()))
+        if foreign:
+            raise ShardwiseError(f"{out}: exists and holds {', '.join(foreign[:3])}"
+                                 f"{' and more' if len(foreign) > 3 else ''}, which export does not write; "
+                                 f"export replaces only an empty directory or an earlier export: choose a new "
+                                 f"directory")
+    if ckpt is not None:
+        a, b = out.resolve(), Path(ckpt).resolve()
+        if a == b or a in b.parents or b in a.parents:
+            raise ShardwiseError(f"{out}: overlaps the checkpoint {ckpt}; export into a directory outside it")
+    problem = unwritable_dir_problem(out.resolve().parent)
+    if problem:
+        raise ShardwiseError(f"{out}: {problem}")
+    return out
 
 
 def export_checkpoint(
@@ -57,52 +96,66 @@ def export_checkpoint(
     """Write the full model of checkpoint (or run directory) ``src`` into directory ``out``.
 
     Tensors keep their saved names (tied parameters appear once, under their first name, as Hugging Face
-    writes them); ``dtype`` casts floating-point tensors. Returns the safetensors files written.
+    writes them); ``dtype`` casts floating-point tensors. Returns the safetensors files written. Raises
+    ShardwiseError, naming the file at fault, with ``out`` left as it was, for a damaged checkpoint, one
+    whose tensors disagree with its model description, or an ``out`` it cannot or should not replace.
     """
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ShardwiseError(f"max_shard_bytes={max_shard_bytes!r}: must be a positive number of bytes")
     ckpt = resolve_checkpoint(src)
+    out = check_output(out, ckpt)
     manifest = read_manifest(ckpt)
-    problem = files_problem(ckpt, manifest, manifest["files"], verify_checksums)
-    if problem:
-        raise ShardwiseError(problem)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    # Weight files of an earlier export into the same directory would be picked up beside ours.
-    for old in out.iterdir():
-        if _OUR_WEIGHT_FILE.match(old.name):
-            old.unlink()
+    names = list(manifest["files"])
+    files = open_verified(ckpt, manifest, names, names if verify_checksums else ())
+    try:
+        problem = description_problem(manifest)
+        if problem:
+            raise ShardwiseError(f"{ckpt / MANIFEST_NAME}: {problem}")
+        layout = _layout(manifest, dtype)
+        shards = _split(layout, max_shard_bytes)
+        file_names = [SINGLE_FILE] if len(shards) == 1 else [
+            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}-{time.time_ns()}"
+        try:
+            tmp.mkdir()
+            for file_name, shard in zip(file_names, shards):
+                write_safetensors_streamed(tmp / file_name, shard,
+                                           lambda name: _produce(manifest, files, name, dtype),
+                                           metadata={"format": "pt"})
+            if len(shards) > 1:
+                total = sum(_nbytes(dt, shape) for _, dt, shape in layout)
+                weight_map = {name: file_name for file_name, shard in zip(file_names, shards) for name, _, _ in shard}
+                write_json_durably(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+            _write_config(manifest, tmp, dtype)
+            fsync_dir(tmp)
+            _replace(tmp, out)
+        except OSError as e:  # a full disk, say: one line naming the file, and OUT as it was
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ShardwiseError(f"{e.filename or tmp}: {e.strerror or e}; nothing was exported, {out} is as it "
+                                 f"was") from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        close_all(files)
+    return [out / name for name in file_names]
 
-    layout = _layout(manifest, dtype)
-    shards = _split(layout, max_shard_bytes)
-    handles: dict[str, object] = {}
 
-    def open_file(name: str):
-        if name not in handles:
-            handles[name] = safe_open(str(ckpt / name), framework="pt", device="cpu")
-        return handles[name]
-
-    def produce(name: str) -> torch.Tensor:
-        t = _assemble(manifest, name, open_file)
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        return t
-
-    written = []
-    names = [SINGLE_FILE] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for file_name, shard in zip(names, shards):
-        write_safetensors_streamed(out / file_name, shard, produce, metadata={"format": "pt"})
-        written.append(out / file_name)
-    if len(shards) > 1:
-        total = sum(_nbytes(dt, shape) for _, dt, shape in layout)
-        weight_map = {name: file_name for file_name, shard in zip(names, shards) for name, _, _ in shard}
-        write_json_durably(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    _write_config(manifest, out, dtype)
-    return written
+def _replace(tmp: Path, out: Path) -> None:
+    """Put the finished ``tmp`` where ``out`` is: a rename, after moving an earlier export aside."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.export-old-{os.getpid()}-{time.time_ns()}"
+        os.rename(out, old)
+    os.rename(tmp, out)
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _layout(manifest: dict, dtype: Optional[torch.dtype]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     out = []
-    for name, p in list(manifest["params"].items()) + list(manifest.get("buffers", {}).items()):
+    for name, p in list(manifest["params"].items()) + list(manifest["buffers"].items()):
         dt = dtype_from_name(p["dtype"], name)
         if dtype is not None and dt.is_floating_point:
             dt = dtype
@@ -111,10 +164,7 @@ def _layout(manifest: dict, dtype: Optional[torch.dtype]) -> list[tuple[str, tor
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return n
+    return math.prod(shape) * dtype.itemsize
 
 
 def _split(layout, max_shard_bytes: int) -> list[list]:
@@ -132,27 +182,29 @@ def _split(layout, max_shard_bytes: int) -> list[list]:
     return shards
 
 
-def _assemble(manifest: dict, name: str, open_file) -> torch.Tensor:
+def _produce(manifest: dict, files: dict[str, SafetensorsFile], name: str, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    t = _assemble(manifest, files, name)
+    if dtype is not None and t.is_floating_point():
+        t = t.to(dtype)  # asked for by the caller (--dtype), never implied by a mismatch
+    return t
+
+
+def _assemble(manifest: dict, files: dict[str, SafetensorsFile], name: str) -> torch.Tensor:
+    """One full tensor from its verified pieces: their headers hold exactly ``stop - start`` elements of the
+    manifest's dtype each, and the pieces tile the shape, so this allocates what the files hold."""
     if name in manifest["params"]:
         p = manifest["params"][name]
         full = torch.empty(tuple(p["shape"]), dtype=dtype_from_name(p["dtype"], name))
         flat = full.view(-1)
-        covered = 0
         for piece in p["pieces"]:
-            if piece["start"] != covered:
-                break
-            flat[piece["start"]: piece["stop"]].copy_(open_file(piece["file"]).get_tensor(piece["key"]))
-            covered = piece["stop"]
-        if covered != full.numel():
-            raise ShardwiseError(f"checkpoint has no values for elements [{covered}, {full.numel()}) of {name!r}; "
-                                 f"its manifest is damaged")
+            flat[piece["start"]: piece["stop"]].copy_(files[piece["file"]].read(piece["key"]))
         return full
     b = manifest["buffers"][name]
-    return open_file(b["file"]).get_tensor(b["key"])
+    return files[b["file"]].read(b["key"])
 
 
 def _write_config(manifest: dict, out: Path, dtype: Optional[torch.dtype]) -> None:
-    model = manifest.get("model") or {}
+    model = manifest["model"]
     if "hf_config" in model:
         config = dict(model["hf_config"])
         config["architectures"] = config.get("architectures") or model.get("hf_architectures")
@@ -160,7 +212,7 @@ def _write_config(manifest: dict, out: Path, dtype: Optional[torch.dtype]) -> No
             config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
         write_json_durably(out / "config.json", config)
     elif "config" in model:
-        write_json_durably(out / "shardwise_model.json", {"class": model.get("class"), "config": model["config"]})
+        write_json_durably(out / "shardwise_model.json", {"class": model["class"], "config": model["config"]})
 
 
 # ---- command line ---------------------------------------------------------------------------------------
@@ -175,16 +227,29 @@ def parse_size(text: str) -> int:
     unit = (m.group(2) or "").upper() if m else None
     if not m or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 5GB, 500MB, 2GiB)")
-    return int(float(m.group(1)) * _UNITS[unit])
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size (e.g. 5GB, 500MB, 2GiB)")
+    return value
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
 
+class UsageError(Exception):
+    """A command line argparse refused; the message names the argument."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line from the caller instead of argparse's usage block and exit(2)
+        raise UsageError(message)
+
+
 def export_main(argv: Optional[Sequence[str]] = None) -> int:
-    """``shardwise export CHECKPOINT_OR_RUN_DIR OUT``: returns the process exit code."""
-    parser = argparse.ArgumentParser(
+    """``shardwise export CHECKPOINT_OR_RUN_DIR OUT``: returns the process exit code. Every failure is one
+    line on stderr naming the argument or file; no traceback."""
+    parser = _Parser(
         prog="shardwise export",
         description="Write the full model of a shardwise checkpoint (or a run directory's newest complete one) "
                     "as safetensors, loadable by from_pretrained when the model came from a Hugging Face config.")
@@ -195,15 +260,19 @@ def export_main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                         help="cast floating-point tensors (default: keep the checkpoint's dtypes)")
     parser.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of the rank files")
-    args = parser.parse_args(argv)
     try:
-        files = export_checkpoint(args.src, args.out, max_shard_bytes=args.max_shard_size,
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        print(f"shardwise export: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        src = resolve_checkpoint(args.src)
+        files = export_checkpoint(src, args.out, max_shard_bytes=args.max_shard_size,
                                   dtype=_DTYPES[args.dtype] if args.dtype else None,
                                   verify_checksums=not args.no_verify)
     except ShardwiseError as e:
         print(f"shardwise export: error: {e}", file=sys.stderr)
         return 1
-    src = resolve_checkpoint(args.src)
     print(f"exported {src} -> {args.out} ({len(files)} file{'s' if len(files) != 1 else ''})")
     return 0
 

@@ -4,14 +4,16 @@ checks that turn a damaged or foreign directory into one clear error.
 A checkpoint is one directory::
 
     step-00000123/
-        manifest.json                        written last; its presence is what makes the directory a checkpoint
+        commit.json                          written last: the manifest's size and SHA-256
+        manifest.json                        everything that is not a tensor
         rank-00000-of-00002.safetensors      everything rank 0 wrote (its shard pieces, its extra tensors)
         rank-00001-of-00002.safetensors
 
 Tensors live only in safetensors files, everything else only in JSON, so reading a checkpoint never
-unpickles anything. The manifest records, for every file, its size and SHA-256; for every parameter its
-global shape and dtype and which file holds which element range of its flattened values (see
-``docs/CHECKPOINTS.md`` for the full schema).
+unpickles anything. The commit record covers the manifest; the manifest records, for every file, its size
+and SHA-256, and for every parameter its global shape and dtype and which file holds which element range
+of its flattened values (see ``docs/CHECKPOINTS.md`` for the full schema). Reading and checking all of
+that is ``verify.py``'s job; this module only names and writes.
 
 The writer below streams tensors straight from memory to disk (no serialised copy of the whole file in
 memory) and hashes the bytes as it writes them, so a file's checksum costs no second read.
@@ -22,24 +24,24 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import mmap
 import os
 import struct
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from shardwise.errors import ShardwiseError
 
 FORMAT_NAME = "shardwise-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: commit.json covers the manifest (version 1 had no commit record)
 MANIFEST_NAME = "manifest.json"
+COMMIT_NAME = "commit.json"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 
 # torch dtype <-> the safetensors dtype tag (the format's own names, so other readers understand the files).
-_SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
     torch.float16: "F16",
@@ -54,9 +56,9 @@ _SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
 for _name, _tag in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
                     ("uint32", "U32"), ("uint64", "U64")):
     if hasattr(torch, _name):
-        _SAFETENSORS_DTYPES[getattr(torch, _name)] = _tag
+        SAFETENSORS_DTYPES[getattr(torch, _name)] = _tag
 
-_DTYPE_NAMES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in _SAFETENSORS_DTYPES}
+_DTYPE_NAMES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in SAFETENSORS_DTYPES}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -116,13 +118,13 @@ def write_safetensors_streamed(
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     offset = 0
     for name, dtype, shape in layout:
-        if dtype not in _SAFETENSORS_DTYPES:
+        if dtype not in SAFETENSORS_DTYPES:
             raise ShardwiseError(f"{path}: tensor {name!r} has dtype {dtype}, which safetensors cannot store")
         numel = 1
         for d in shape:
             numel *= d
         nbytes = numel * dtype.itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
     header_bytes += b" " * (-len(header_bytes) % 8)  # the format aligns the data section to 8 bytes
@@ -146,13 +148,14 @@ def write_safetensors_streamed(
     return 8 + len(header_bytes) + offset, digest.hexdigest()
 
 
-def write_json_durably(path: Path, obj: Any) -> None:
-    """Write JSON and fsync it (callers rename or fsync the directory afterwards)."""
+def write_json_durably(path: Path, obj: Any) -> bytes:
+    """Write JSON and fsync it (callers rename or fsync the directory afterwards); return the bytes written."""
     data = json.dumps(obj, indent=1, sort_keys=False, allow_nan=True).encode("utf-8")
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return data
 
 
 def fsync_dir(path: Path) -> None:
@@ -169,91 +172,3 @@ def fsync_dir(path: Path) -> None:
             raise
     finally:
         os.close(fd)
-
-
-# ---- checking -----------------------------------------------------------------------------------------
-
-
-def sha256_of_file(path: Path, chunk_bytes: int = 64 << 20) -> str:
-    """Hash through a memory map: no copy of the file into Python bytes (this halves the cost of verifying
-    a multi-GB file that sits in the page cache)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return digest.hexdigest()
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            if hasattr(mm, "madvise"):
-                mm.madvise(mmap.MADV_SEQUENTIAL)
-            view = memoryview(mm)
-            try:
-                for start in range(0, size, chunk_bytes):
-                    digest.update(view[start:start + chunk_bytes])
-            finally:
-                view.release()  # the map cannot close while a view of it is alive
-    return digest.hexdigest()
-
-
-def read_manifest(ckpt: Path) -> dict:
-    """Parse and sanity-check ``ckpt/manifest.json``; every problem is a ``ShardwiseError`` naming the file."""
-    ckpt = Path(ckpt)
-    if not ckpt.is_dir():
-        raise ShardwiseError(f"{ckpt}: no such checkpoint directory")
-    path = ckpt / MANIFEST_NAME
-    if not path.is_file():
-        if (ckpt / ".metadata").exists():
-            raise ShardwiseError(f"{ckpt}: not a shardwise checkpoint (it looks like a torch.distributed.checkpoint "
-                                 f"directory: it has .metadata but no {MANIFEST_NAME})")
-        raise ShardwiseError(f"{ckpt}: not a shardwise checkpoint, or an incomplete one: {MANIFEST_NAME} is missing")
-    try:
-        manifest = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ShardwiseError(f"{path}: not valid JSON ({e}); the file is truncated or not a shardwise manifest") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        if isinstance(manifest, dict) and "format" in manifest:
-            found = f"its format is {manifest['format']!r}"
-        else:
-            found = "it has no \"format\" entry" if isinstance(manifest, dict) else f"it holds a JSON {type(manifest).__name__}"
-        raise ShardwiseError(f"{path}: not a shardwise checkpoint manifest ({found}, expected "
-                             f"\"format\": {FORMAT_NAME!r})")
-    version = manifest.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise ShardwiseError(f"{path}: checkpoint format version {version!r} is newer than this shardwise "
-                             f"understands ({FORMAT_VERSION}); upgrade shardwise")
-    for key in ("files", "params", "world_size"):
-        if key not in manifest:
-            raise ShardwiseError(f"{path}: manifest has no {key!r} entry; the file is damaged")
-    return manifest
-
-
-def check_file(ckpt: Path, manifest: dict, name: str, verify_checksum: bool) -> Optional[str]:
-    """The problem with one listed file (missing, truncated, wrong checksum), or None if it is sound."""
-    entry = manifest["files"].get(name)
-    path = Path(ckpt) / name
-    if entry is None:
-        return f"{path}: referenced by the manifest but not listed in its files"
-    if not path.is_file():
-        return f"{path}: missing (the manifest lists it; was a rank's file deleted or not copied?)"
-    size = path.stat().st_size
-    if size != entry["bytes"]:
-        kind = "truncated" if size < entry["bytes"] else "longer than recorded"
-        return f"{path}: {kind}: {size} bytes on disk, the manifest records {entry['bytes']}"
-    if verify_checksum:
-        actual = sha256_of_file(path)
-        if actual != entry["sha256"]:
-            return f"{path}: SHA-256 checksum mismatch (file {actual[:16]}..., manifest {entry['sha256'][:16]}...); the file is corrupt"
-    return None
-
-
-def is_complete(ckpt: Path) -> bool:
-    """Cheap completeness test (no hashing): a parseable manifest and every listed file at its recorded size."""
-    try:
-        manifest = read_manifest(ckpt)
-    except ShardwiseError:
-        return False
-    return all(check_file(ckpt, manifest, name, verify_checksum=False) is None for name in manifest["files"])
-
-
-def files_problem(ckpt: Path, manifest: dict, names: Iterable[str], verify_checksum: bool) -> Optional[str]:
-    problems = [p for p in (check_file(ckpt, manifest, n, verify_checksum) for n in sorted(set(names))) if p]
-    return "; ".join(problems) if problems else None

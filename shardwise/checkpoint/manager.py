@@ -11,8 +11,13 @@ Layout::
 Crash safety follows from the order of events in ``save``: the new checkpoint is committed (renamed into
 place, parent fsynced) before ``latest`` moves to it, and older checkpoints are pruned only after that.
 A crash at any moment therefore leaves at least the previous complete checkpoint in place. Readers do
-not trust ``latest`` blindly: ``find_latest`` scans for the newest *complete* checkpoint (``latest`` is for
-people and tools that want one file to read; it can lag by one checkpoint after a crash).
+not trust ``latest`` (it is for people and tools that want one file to read, and can lag by one
+checkpoint after a crash): ``find_latest`` takes the ``step-*`` entry with the highest step.
+
+Since a ``step-*`` name only ever appears by an atomic rename of a complete directory, and disappears by
+a rename to ``.trash-*``, the newest ``step-*`` entry that is not a complete checkpoint was damaged or
+put there by hand. ``find_latest`` then raises, naming it, instead of quietly falling back to an older
+checkpoint (a resume that silently went back in time would restore other values than the user expects).
 """
 
 from __future__ import annotations
@@ -28,17 +33,29 @@ import torch
 import torch.nn as nn
 
 from shardwise.checkpoint import agree
-from shardwise.checkpoint.format import TMP_PREFIX, TRASH_PREFIX, fsync_dir, is_complete
+from shardwise.checkpoint.format import TMP_PREFIX, TRASH_PREFIX, fsync_dir
 from shardwise.checkpoint.load import load_checkpoint
 from shardwise.checkpoint.save import save_checkpoint
+from shardwise.checkpoint.verify import is_complete, listed_files_problem, read_manifest
+from shardwise.errors import ShardwiseError
 
 PathLike = Union[str, os.PathLike]
 LATEST_NAME = "latest"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = re.compile(r"^step-(\d{1,18})$")
 
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def _step_entries(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every entry named like a checkpoint, oldest first (whatever it is)."""
+    found = []
+    for child in root.iterdir():
+        m = _STEP_DIR.match(child.name)
+        if m:
+            found.append((int(m.group(1)), child))
+    return sorted(found)
 
 
 def list_checkpoints(run_dir: PathLike) -> list[tuple[int, Path]]:
@@ -46,18 +63,34 @@ def list_checkpoints(run_dir: PathLike) -> list[tuple[int, Path]]:
     root = Path(run_dir)
     if not root.is_dir():
         return []
-    found = []
-    for child in root.iterdir():
-        m = _STEP_DIR.match(child.name)
-        if m and child.is_dir() and is_complete(child):
-            found.append((int(m.group(1)), child))
-    return sorted(found)
+    return [(step, p) for step, p in _step_entries(root) if not p.is_symlink() and p.is_dir() and is_complete(p)]
 
 
 def find_latest(run_dir: PathLike) -> Optional[Path]:
-    """The newest complete checkpoint in ``run_dir`` (None if there is none). Single-process, no collectives."""
-    found = list_checkpoints(run_dir)
-    return found[-1][1] if found else None
+    """The newest checkpoint in ``run_dir``: the ``step-*`` entry with the highest step, None if there is
+    none. Raises ShardwiseError, naming it, if that entry is not a complete checkpoint whose manifest
+    records that step. Single-process, no collectives; checks no rank file's checksum (loading does)."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return None
+    entries = _step_entries(root)
+    if not entries:
+        return None
+    step, path = entries[-1]
+    if path.is_symlink() or not path.is_dir():
+        kind = "a symbolic link" if path.is_symlink() else "not a directory"
+        raise ShardwiseError(f"{path}: {kind}; the newest step-* entry of a run directory must be a checkpoint "
+                             f"directory (a link could point a resume anywhere): move it away to resume from an "
+                             f"older checkpoint")
+    manifest = read_manifest(path)  # the commit record and the schema
+    problem = listed_files_problem(path, manifest)
+    if problem:
+        raise ShardwiseError(f"{problem}; the newest checkpoint in {root} is damaged: move it away to resume "
+                             f"from an older one")
+    if manifest["step"] is not None and manifest["step"] != step:
+        raise ShardwiseError(f"{path}: its manifest records step {manifest['step']}, its name step {step}; "
+                             f"a renamed checkpoint would resume at the wrong step")
+    return path
 
 
 def write_latest_pointer(run_dir: Path, name: str) -> None:
@@ -106,18 +139,24 @@ class CheckpointManager:
         return find_latest(self.run_dir)
 
     def resume(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[tuple[int, Any]]:
-        """Load the newest complete checkpoint; return ``(step, extra)``, or None when there is none yet.
+        """Load the newest checkpoint; return ``(step, extra)``, or None when there is none yet. Raises
+        ShardwiseError on every rank if the newest is damaged (see ``find_latest``) or does not fit.
 
         Rank 0 chooses and tells the others, so all ranks load the same checkpoint even if a save
         completes while they look."""
-        choice = agree.agreed(lambda: str(self.latest() or "") if agree.rank() == 0 else None, "finding a checkpoint")
-        choice = agree.broadcast_json(choice)
-        if not choice:
+        path = self.choose_latest()
+        if path is None:
             return None
-        path = Path(choice)
         extra = load_checkpoint(path, model, optimizer)
         step = int(_STEP_DIR.match(path.name).group(1))
         return step, extra
+
+    def choose_latest(self) -> Optional[Path]:
+        """``latest()`` as chosen by rank 0 and broadcast, so every rank gets the same answer. Collective."""
+        choice = agree.agreed(lambda: str(self.latest() or "") if agree.rank() == 0 else None,
+                              f"finding a checkpoint in {self.run_dir}")
+        choice = agree.broadcast_json(choice)
+        return Path(choice) if choice else None
 
     def _prune(self, keep: Path) -> None:
         # Leftovers of crashed saves and interrupted deletions: no save is in flight now (save is collective).

@@ -9,9 +9,13 @@ failure on any rank raises on all of them instead of leaving the others waiting)
                 ---- agree ----
     all ranks   write rank-XXXXX-of-YYYYY.safetensors (streamed, hashed while written, fsynced)
                 ---- agree; gather each rank's file index (JSON) on rank 0 ----
-    rank 0      write manifest.json, fsync it and the directory, rename .tmp-<name> -> <name>,
-                fsync the parent (the rename is the commit point)
+    rank 0      write manifest.json, then commit.json (the manifest's size and SHA-256), fsync both and
+                the directory, rename .tmp-<name> -> <name>, fsync the parent (the rename is the commit
+                point)
                 ---- agree ----
+
+A failed save (a full disk, say) raises on every rank with one line naming the file and errno; rank 0
+then removes the temporary directory, so the space is freed and earlier checkpoints stay as they were.
 
 Nothing is gathered on one rank but a few kilobytes of JSON per rank. Under hybrid and no_shard
 strategies only the ranks of replicate index 0 write parameters and optimizer state (the others hold
@@ -20,8 +24,7 @@ identical copies); every rank still writes a file, for its own ``extra`` tensors
 
 from __future__ import annotations
 
-import dataclasses
-import json
+import operator
 import os
 import shutil
 import time
@@ -33,9 +36,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise.checkpoint import agree
+from shardwise.checkpoint.commit import write_commit_record
 from shardwise.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TMP_PREFIX, TRASH_PREFIX,
                                          dtype_name, fsync_dir, rank_file_name, write_json_durably,
                                          write_safetensors)
+from shardwise.checkpoint.model_description import describe
 from shardwise.checkpoint.model_index import optimizer_param_names, persistent_buffers, unique_params
 from shardwise.checkpoint.values import encode, encode_scalar_tensor
 from shardwise.errors import ShardwiseError
@@ -65,6 +70,7 @@ def save_checkpoint(
     me, world = agree.rank(), agree.world_size()
     tmp = final.parent / f"{TMP_PREFIX}{final.name}"
     file_name = rank_file_name(me, world)
+    step = _checked_step(step)
 
     payload = agree.agreed(lambda: _build_payload(model, rt, optimizer, extra, file_name), "preparing the checkpoint")
     tensors, index = payload
@@ -83,19 +89,35 @@ def save_checkpoint(
         index["bytes"], index["sha256"] = size, sha
         tensors.clear()  # views of the shards and optimizer state; nothing to keep
 
-    agree.agreed(write_own_file, f"writing {tmp / file_name}")
-    indexes = agree.gather_json(index)
-
     def commit() -> None:
         if me != 0:
             return
         manifest = _manifest(indexes, rt, model, optimizer, step, world)
-        write_json_durably(tmp / MANIFEST_NAME, manifest)
-        fsync_dir(tmp)  # every rank's file entry is durable before the directory can appear under its name
+        write_commit_record(tmp, write_json_durably(tmp / MANIFEST_NAME, manifest))
+        fsync_dir(tmp)  # every file's entry is durable before the directory can appear under its name
         _replace_dir(tmp, final)
 
-    agree.agreed(commit, f"committing {final}")
+    try:
+        agree.agreed(write_own_file, f"writing {tmp / file_name}")
+        indexes = agree.gather_json(index)
+        agree.agreed(commit, f"committing {final}")
+    except ShardwiseError as e:
+        if me == 0:  # every rank is past its writes (the failure was agreed): free the space they took
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise ShardwiseError(f"{e}; {final} was not saved (earlier checkpoints are untouched)") from None
     return final
+
+
+def _checked_step(step: Any) -> Optional[int]:
+    if step is None:
+        return None
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise ShardwiseError(f"save_checkpoint(step={step!r}): the step must be an integer or None") from None
+    if value < 0:
+        raise ShardwiseError(f"save_checkpoint(step={step!r}): the step must be >= 0")
+    return value
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:
@@ -235,7 +257,7 @@ def _manifest(indexes: list[dict], rt, model: nn.Module, optimizer, step: Option
         "strategy": rt.strategy.value,
         "shard_size": rt.groups.shard_size,
         "replicate_size": rt.groups.replicate_size,
-        "model": _model_description(model),
+        "model": describe(model),
         "files": {ix["file"]: {"rank": ix["rank"], "bytes": ix["bytes"], "sha256": ix["sha256"]} for ix in indexes},
         "params": params,
         "buffers": {k: {**v, "file": rank0["file"]} for k, v in rank0.get("buffers", {}).items()},
@@ -245,15 +267,3 @@ def _manifest(indexes: list[dict], rt, model: nn.Module, optimizer, step: Option
     if optimizer is not None:
         manifest["optimizer"] = {**rank0["optimizer"], "state": optim_state}
     return manifest
-
-
-def _model_description(model: nn.Module) -> dict:
-    """What export needs to rebuild the model elsewhere: a Hugging Face config, or a shardwise GPT config."""
-    desc: dict[str, Any] = {"class": f"{type(model).__module__}.{type(model).__qualname__}"}
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "to_dict") and hasattr(config, "model_type"):
-        desc["hf_config"] = json.loads(config.to_json_string(use_diff=False))
-        desc["hf_architectures"] = [type(model).__name__]
-    elif config is not None and dataclasses.is_dataclass(config):
-        desc["config"] = dataclasses.asdict(config)
-    return desc

@@ -98,6 +98,7 @@ def assert_same_contents(a: dict, b: dict) -> None:
 
 def run_with_manager(rank, world_size, run_dir):
     from shardwise.checkpoint import CheckpointManager, list_checkpoints
+    from shardwise.errors import ShardwiseError
 
     model, opt = build()
     mgr = CheckpointManager(run_dir, keep_last=2)
@@ -105,17 +106,26 @@ def run_with_manager(rank, world_size, run_dir):
         train_step(model, opt, step, rank, world_size)
         mgr.save(model, opt, step=step, extra={"step": step, "rank": rank})
     if rank == 0:
-        # A save that crashed mid-way (same name as the next save's temporary directory) and a directory
-        # that looks like a checkpoint but has no manifest: neither may ever be picked up.
+        # A save that crashed mid-way (same name as the next save's temporary directory): never picked up.
         os.makedirs(f"{run_dir}/.tmp-step-00000004")
         Path(f"{run_dir}/.tmp-step-00000004/rank-00000-of-00002.safetensors").write_bytes(b"junk")
+        # A directory named like the newest checkpoint but without one: resume refuses it rather than
+        # quietly going back to step 3.
         os.makedirs(f"{run_dir}/step-00000009")
     torch.distributed.barrier()
     steps_before = [s for s, _ in list_checkpoints(run_dir)]
     model2, opt2 = build(seed=9)
+    try:
+        mgr.resume(model2, opt2)
+        decoy_error = None
+    except ShardwiseError as e:
+        decoy_error = str(e)
+    if rank == 0:
+        os.rmdir(f"{run_dir}/step-00000009")
+    torch.distributed.barrier()
     resumed = mgr.resume(model2, opt2)
     same = all(torch.equal(a, b) for a, b in zip(full_params(model).values(), full_params(model2).values()))
     train_step(model, opt, 4, rank, world_size)
     mgr.save(model, opt, step=4, extra={"step": 4, "rank": rank})
     steps_after = [s for s, _ in list_checkpoints(run_dir)]
-    return steps_before, resumed, same, steps_after, sorted(os.listdir(run_dir)), full_params(model)
+    return steps_before, resumed, same, steps_after, sorted(os.listdir(run_dir)), full_params(model), decoy_error

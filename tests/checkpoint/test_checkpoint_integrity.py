@@ -3,6 +3,7 @@ damage gives one clear error, naming the file, on every rank."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -17,33 +18,44 @@ from harness import run_distributed
 
 def test_manager_commit_latest_prune_resume(run_dir):
     path, results = run_dir
-    steps_before, resumed, same, steps_after, listing, _ = results[0]
+    steps_before, resumed, same, steps_after, listing, _, decoy_error = results[0]
     assert steps_before == [2, 3]  # keep_last=2 pruned step 1 only after step 3 was complete
+    # The newest step-* directory is not a checkpoint: resume names it instead of going back to step 3.
+    assert decoy_error is not None and "step-00000009" in decoy_error and "commit.json" in decoy_error
+    assert results[1][6] == decoy_error  # every rank raised the same error
     assert resumed == (3, {"step": 3, "rank": 0}) and results[1][1] == (3, {"step": 3, "rank": 1})
     assert same
     assert steps_after == [3, 4]
-    # The stale temporary directory was replaced by the step-4 save and is gone; the foreign directory
-    # without a manifest is left alone but never chosen.
-    assert listing == ["latest", "step-00000003", "step-00000004", "step-00000009"]
+    # The stale temporary directory was replaced by the step-4 save and is gone.
+    assert listing == ["latest", "step-00000003", "step-00000004"]
     assert (path / "latest").read_text().strip() == "step-00000004"
 
 
 # ---- damage ---------------------------------------------------------------------------------------------
 
 
+def resign(ckpt: Path, manifest: dict) -> None:
+    """Write ``manifest`` and a commit record that vouches for it: what someone who edits a checkpoint on
+    purpose does, so that the checks behind the commit record are the ones tested."""
+    from shardwise.checkpoint.commit import commit_record
+
+    data = json.dumps(manifest).encode()
+    (ckpt / "manifest.json").write_bytes(data)
+    (ckpt / "commit.json").write_text(json.dumps(commit_record(data)))
+
+
 def _rewrite_with_renamed_tensor(ckpt: Path, file: str, old: str, new: str) -> None:
     """Rename a tensor inside a safetensors file and re-record the file in the manifest, so that only the
-    name, not the checksum, gives it away."""
+    name, not a checksum, gives it away."""
     from safetensors.torch import load_file, save_file
-
-    from shardwise.checkpoint.format import sha256_of_file
 
     tensors = load_file(ckpt / file)
     tensors[new] = tensors.pop(old)
     save_file(tensors, ckpt / file)
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["files"][file].update(bytes=(ckpt / file).stat().st_size, sha256=sha256_of_file(ckpt / file))
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    data = (ckpt / file).read_bytes()
+    manifest["files"][file].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    resign(ckpt, manifest)
 
 
 def _damaged_copies(src: Path, root: Path) -> dict[str, Path]:
@@ -70,10 +82,16 @@ def _damaged_copies(src: Path, root: Path) -> dict[str, Path]:
     os.remove(d / r1)
     d = copy("renamed")
     _rewrite_with_renamed_tensor(d, r0, "param/wte.weight", "param/wte.weight_renamed")
-    d = copy("lost_piece")  # only rank 1 reads wpe.weight: one rank fails, every rank must raise
+    d = copy("edited_manifest")  # one value changed, the commit record not updated
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest["optimizer"]["param_groups"][0]["options"]["lr"] = 0.5
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    d = copy("lost_piece")  # the same edit with the commit record rewritten: the schema catches it
     manifest = json.loads((d / "manifest.json").read_text())
     manifest["params"]["wpe.weight"]["pieces"] = []
-    (d / "manifest.json").write_text(json.dumps(manifest))
+    resign(d, manifest)
+    d = copy("missing_commit")
+    os.remove(d / "commit.json")
     d = copy("foreign_json")
     (d / "manifest.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     d = copy("torn_manifest")
@@ -127,7 +145,9 @@ EXPECTED = {
     "flipped": ["rank-00000-of-00002.safetensors", "checksum mismatch"],
     "missing": ["rank-00001-of-00002.safetensors", "missing"],
     "renamed": ["rank-00000-of-00002.safetensors", "has no tensor 'param/wte.weight'"],
-    "lost_piece": ["no values for elements [", "of parameter 'wpe.weight'"],
+    "edited_manifest": ["manifest.json: does not match commit.json", "changed or damaged after"],
+    "lost_piece": ["manifest.json: params['wpe.weight'].pieces: no values for elements [0, ", "parameter 'wpe.weight'"],
+    "missing_commit": ["commit.json: missing", "not a complete checkpoint"],
     "foreign_json": ["manifest.json", "not a shardwise checkpoint"],
     "torn_manifest": ["manifest.json", "not valid JSON"],
     "dcp": ["not a shardwise checkpoint", "torch.distributed.checkpoint"],
