@@ -6,10 +6,16 @@ scaler's state. The data position *is*
 the step (batches are a pure function of seed, step and rank, see ``data.py``) and so is the learning
 rate (``schedule.py``); both are recorded with the seed and world size only to refuse or flag a resume
 that could not be exact. Everything in ``extra`` is JSON or tensors: no pickle.
+
+A checkpoint is checked before anything in it is used (``shardwise.checkpoint.verify``); ``extra`` is then
+checked here, on every rank together, before it is applied: the keys the trainer needs, of the types it
+writes, the step equal to the checkpoint's, and RNG states that a scratch generator accepts. A damaged or
+hand-made ``extra`` therefore ends the run with one line naming the checkpoint, not a ``KeyError``.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 from typing import Any, Optional
@@ -19,6 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from shardwise.errors import ShardwiseError
+
+_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
 def _manager(run_dir: str):
@@ -50,12 +59,11 @@ def capture_extra(step: int, seed: int, world_size: int, train_tokens: int,
 
 
 def apply_extra(extra: dict[str, Any]) -> None:
+    """Restore this rank's RNG states (``check_extra`` has accepted them)."""
     rng = extra["rng"]
-    torch.set_rng_state(torch.as_tensor(rng["torch"], dtype=torch.uint8))
-    state = rng["numpy"]
-    np.random.set_state((state[0], np.asarray(state[1], dtype=np.uint32), *state[2:]))
-    py = rng["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(_numpy_state(rng["numpy"]))
+    random.setstate(_python_state(rng["python"]))
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(torch.as_tensor(rng["cuda"], dtype=torch.uint8))
 
@@ -70,24 +78,30 @@ def save_training_state(run_dir: str, model: nn.Module, optimizer: torch.optim.O
 def restore_training_state(run_dir: str, resume: str, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                            seed: int, train_tokens: int,
                            grad_scaler: Optional[torch.amp.GradScaler] = None) -> tuple[int, Optional[str]]:
-    """Load the checkpoint ``resume`` names ('latest' or a path); return (step to continue after, a note
-    for the user or None). ``resume=''`` or 'latest' with no checkpoint yet returns (0, note). Collective."""
-    from shardwise.checkpoint import load_checkpoint
+    """Load the checkpoint ``resume`` names ('latest'/'auto', a checkpoint, or a run directory: its newest);
+    return (step to continue after, a note for the user or None). ``resume=''`` or 'latest' with no
+    checkpoint yet returns (0, note). Collective; raises ShardwiseError on every rank for a checkpoint that
+    is damaged or does not fit."""
+    from shardwise.checkpoint import agree, checkpoint_info, load_checkpoint
 
     if not resume:
         return 0, None
     if resume in ("latest", "auto", "true"):
-        found = _manager(run_dir).resume(model, optimizer)
-        if found is None:
-            return 0, f"resume=latest: no checkpoint in {run_dir} yet, starting fresh"
-        _, extra = found
+        path = _manager(run_dir).choose_latest()
+        if path is None:
+            return 0, f"resume={resume}: no checkpoint in {run_dir} yet, starting fresh"
     else:
-        extra = load_checkpoint(resume, model, optimizer)
+        path = Path(resume)
+        if not (path / "commit.json").exists() and not (path / "manifest.json").exists() and path.is_dir():
+            path = _manager(resume).choose_latest() or path  # a run directory: its newest checkpoint
+    extra = load_checkpoint(path, model, optimizer)
+    step = agree.agreed(lambda: check_extra(extra, path, checkpoint_info(path).step, grad_scaler is not None),
+                        f"checking {path}")
     notes = []
-    if extra.get("seed") != seed:
-        notes.append(f"the checkpoint was trained with seed {extra.get('seed')}, this run uses {seed}")
-    if extra.get("world_size") != dist.get_world_size():
-        notes.append(f"world size changed ({extra.get('world_size')} -> {dist.get_world_size()}): weights and "
+    if extra["seed"] != seed:
+        notes.append(f"the checkpoint was trained with seed {extra['seed']}, this run uses {seed}")
+    if extra["world_size"] != dist.get_world_size():
+        notes.append(f"world size changed ({extra['world_size']} -> {dist.get_world_size()}): weights and "
                      f"optimizer are resharded exactly, but data order and RNG streams differ from an unbroken run")
     else:
         apply_extra(extra)  # the rank's own RNG states: only meaningful at the same world size
@@ -97,6 +111,69 @@ def restore_training_state(run_dir: str, resume: str, model: nn.Module, optimize
         else:
             notes.append("the checkpoint has no fp16 loss scale (it was not trained in fp16): starting from the "
                          "initial scale")
-    if extra.get("data", {}).get("train_tokens") != train_tokens:
+    if extra["data"]["train_tokens"] != train_tokens:
         notes.append("the training data differs from the checkpoint's (token count changed)")
-    return int(extra["step"]), ("; ".join(notes) or None)
+    return step, ("; ".join(notes) or None)
+
+
+def check_extra(extra: Any, path: Path, manifest_step: Optional[int], want_scaler: bool) -> int:
+    """The step ``extra`` records, after checking that it is what ``capture_extra`` writes; else a
+    ShardwiseError naming the checkpoint."""
+
+    def bad(what: str) -> ShardwiseError:
+        return ShardwiseError(f"{path}: the trainer state in this checkpoint's extra is not usable: {what}")
+
+    if not isinstance(extra, dict):
+        raise bad(f"expected a dict, found {type(extra).__name__} (saved by another program?)")
+    for key, kinds in (("step", int), ("seed", int), ("world_size", int), ("data", dict), ("rng", dict)):
+        if key not in extra:
+            raise bad(f"it has no {key!r}")
+        if not isinstance(extra[key], kinds) or isinstance(extra[key], bool):
+            raise bad(f"{key!r} is {type(extra[key]).__name__}, not {kinds.__name__}")
+    step = extra["step"]
+    if step < 0 or (manifest_step is not None and step != manifest_step):
+        raise bad(f"step {step}, but the checkpoint is of step {manifest_step}")
+    if not 1 <= extra["world_size"] <= 2**20 or not 0 <= extra["seed"] < 2**32:
+        raise bad(f"world_size {extra['world_size']} or seed {extra['seed']} out of range")
+    tokens = extra["data"].get("train_tokens")
+    if type(tokens) is not int or tokens < 0:
+        raise bad("data.train_tokens is not a token count")
+    _check_rng(extra["rng"], bad)
+    if want_scaler and "grad_scaler" in extra:
+        scaler = extra["grad_scaler"]
+        if (not isinstance(scaler, dict) or set(scaler) != set(_SCALER_KEYS)
+                or not all(type(v) in (int, float) and math.isfinite(v) and v >= 0 for v in scaler.values())
+                or not scaler["scale"] > 0):
+            raise bad(f"grad_scaler is not a loss-scaler state ({', '.join(_SCALER_KEYS)}: finite, scale > 0)")
+    return step
+
+
+def _check_rng(rng: dict, bad) -> None:
+    """Each RNG state must be accepted by a scratch generator of its kind: the global ones stay untouched
+    until every check has passed."""
+    for key in ("torch", "numpy", "python"):
+        if key not in rng:
+            raise bad(f"rng has no {key!r} state")
+    state = rng["torch"]
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.shape != torch.get_rng_state().shape:
+        raise bad("rng.torch is not a torch RNG state (a uint8 tensor of torch.get_rng_state()'s size)")
+    try:
+        torch.Generator().set_state(state)
+        np.random.RandomState().set_state(_numpy_state(rng["numpy"]))
+        random.Random().setstate(_python_state(rng["python"]))
+    except (TypeError, ValueError, IndexError, OverflowError, RuntimeError) as e:
+        raise bad(f"rng holds an RNG state that torch, numpy or Python refuses ({str(e)[:100]})") from None
+
+
+def _numpy_state(state: Any) -> tuple:
+    if not isinstance(state, tuple) or len(state) != 5 or not isinstance(state[1], np.ndarray):
+        raise ValueError("numpy state must be a 5-tuple with an array")
+    if state[1].dtype != np.uint32 or state[1].shape != (624,):
+        raise ValueError("numpy state array must be 624 uint32 values")
+    return (state[0], state[1], *state[2:])
+
+
+def _python_state(state: Any) -> tuple:
+    if not isinstance(state, tuple) or len(state) != 3 or not isinstance(state[1], (tuple, list)):
+        raise ValueError("Python random state must be a 3-tuple")
+    return (state[0], tuple(state[1]), state[2])
