@@ -66,6 +66,10 @@ def check_output(out: PathLike, ckpt: Optional[Path] = None) -> Path:
     out = Path(out)
     if out.is_symlink():
         raise ShardwiseError(f"{out}: is a symbolic link; give export the real directory to write")
+    if ckpt is not None:
+        a, b = out.resolve(), Path(ckpt).resolve()
+        if a == b or a in b.parents or b in a.parents:
+            raise ShardwiseError(f"{out}: overlaps the checkpoint {ckpt}; export into a directory outside it")
     if out.exists():
         if not out.is_dir():
             raise ShardwiseError(f"{out}: exists and is not a directory; export writes a directory of files")
@@ -75,10 +79,6 @@ def check_output(out: PathLike, ckpt: Optional[Path] = None) -> Path:
                                  f"{' and more' if len(foreign) > 3 else ''}, which export does not write; "
                                  f"export replaces only an empty directory or an earlier export: choose a new "
                                  f"directory")
-    if ckpt is not None:
-        a, b = out.resolve(), Path(ckpt).resolve()
-        if a == b or a in b.parents or b in a.parents:
-            raise ShardwiseError(f"{out}: overlaps the checkpoint {ckpt}; export into a directory outside it")
     problem = unwritable_dir_problem(out.resolve().parent)
     if problem:
         raise ShardwiseError(f"{out}: {problem}")

@@ -82,7 +82,11 @@ def find_latest(run_dir: PathLike) -> Optional[Path]:
         raise ShardwiseError(f"{path}: {kind}; the newest step-* entry of a run directory must be a checkpoint "
                              f"directory (a link could point a resume anywhere): move it away to resume from an "
                              f"older checkpoint")
-    manifest = read_manifest(path)  # the commit record and the schema
+    try:
+        manifest = read_manifest(path)  # the commit record and the schema
+    except ShardwiseError as e:
+        raise ShardwiseError(f"{e}; it is the newest step-* entry in {root}: move it away to resume from an "
+                             f"older checkpoint") from None
     problem = listed_files_problem(path, manifest)
     if problem:
         raise ShardwiseError(f"{problem}; the newest checkpoint in {root} is damaged: move it away to resume "

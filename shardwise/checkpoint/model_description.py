@@ -44,7 +44,8 @@ def description_problem(manifest: dict) -> Optional[str]:
         return str(e)
     if model is None:
         return None
-    return _compare(model, manifest)
+    problem = compare_with_model(model, manifest)
+    return f"the tensors are not the model the manifest describes: {problem}" if problem else None
 
 
 def _rebuild_on_meta(manifest: dict) -> Optional[nn.Module]:
@@ -109,9 +110,10 @@ def _hf_on_meta(desc: dict, num_tensors: int) -> Optional[nn.Module]:
         raise ShardwiseError(f"model.hf_config cannot be built as {archs[0]}: {type(e).__name__}: {str(e)[:200]}") from None
 
 
-def _compare(model: nn.Module, manifest: dict) -> Optional[str]:
-    """Names (with ties) and shapes; not dtypes: training may keep weights in another dtype than the
-    config's default, and the tensors' dtypes were checked against the files already."""
+def compare_with_model(model: nn.Module, manifest: dict) -> Optional[str]:
+    """How the manifest's tensors differ from ``model``'s (on any device, meta included), or None. Names
+    (with ties) and shapes; not dtypes: training may keep weights in another dtype than the model was
+    built in, and the tensors' dtypes are checked against the files and the sharded model elsewhere."""
     tied: dict[int, list[str]] = {}
     shapes: dict[int, tuple[int, ...]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -129,15 +131,13 @@ def _compare(model: nn.Module, manifest: dict) -> Optional[str]:
     for names in expected.keys() & saved.keys():
         if expected[names] != saved[names]:
             problems.append(f"{min(names)}: shape {list(saved[names])} in the checkpoint, {list(expected[names])} "
-                            f"in the model its config describes")
+                            f"in the model")
     persistent = {k for k in model.state_dict().keys()} - {n for names in tied.values() for n in names}
     buffers = {n: tuple(b.shape) for n, b in model.named_buffers() if n in persistent}
     if set(buffers) != set(manifest["buffers"]):
         problems.append(f"buffers {sorted(set(buffers) ^ set(manifest['buffers']))[:5]} differ between the "
-                        f"checkpoint and the model its config describes")
+                        f"checkpoint and the model")
     else:
         problems += [f"buffer {n}: shape {manifest['buffers'][n]['shape']} in the checkpoint, {list(s)} in the model"
                      for n, s in buffers.items() if tuple(manifest["buffers"][n]["shape"]) != s]
-    if not problems:
-        return None
-    return "the tensors are not the model the manifest describes: " + "; ".join(problems[:4])
+    return "; ".join(problems[:4]) or None
