@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -137,9 +138,20 @@ ALIASES: dict[str, str] = {
     "nproc_per_node": "nproc",
 }
 
-_MIN_ONE = ("steps", "batch_size", "seq_len", "gradient_accumulation_steps", "nproc", "log_every", "eval_batches")
-_NON_NEGATIVE = ("warmup_steps", "weight_decay", "max_grad_norm", "eval_every", "save_every", "threads_per_rank",
-                 "peak_tflops", "lr")
+# Inclusive integer ranges. The upper bounds are where a value stops making sense on any machine (and, for
+# the seed, where numpy's 32-bit seeding would reject it inside the workers).
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "steps": (1, 2**31 - 1), "batch_size": (1, 2**20), "seq_len": (1, 2**24), "gradient_accumulation_steps": (1, 2**20),
+    "warmup_steps": (0, 2**31 - 1), "log_every": (1, 2**31 - 1), "eval_every": (0, 2**31 - 1),
+    "eval_batches": (1, 2**20), "save_every": (0, 2**31 - 1), "nproc": (1, 2**20), "threads_per_rank": (0, 4096),
+    "timeout_s": (1, 7 * 24 * 3600), "seed": (0, 2**32 - 1),
+}
+_NON_NEGATIVE = ("lr", "weight_decay", "max_grad_norm", "peak_tflops")
+
+
+def option_label(key: str) -> str:
+    """How a key is spelled on the command line, for messages."""
+    return "--" + key.replace("_", "-")
 
 
 def field_help() -> dict[str, str]:
@@ -171,8 +183,10 @@ def canonical_key(key: str) -> str:
     return k
 
 
-def coerce(key: str, value: Any) -> Any:
-    """Turn a TOML value or a command-line string into the field's type, or raise ConfigError."""
+def coerce(key: str, value: Any, label: Optional[str] = None) -> Any:
+    """Turn a TOML value or a command-line string into the field's type, or raise ConfigError naming
+    ``label`` (how the user spelled the key: ``--lr``, or ``lr in run.toml``)."""
+    label = label or option_label(key)
     f = _fields()[key]
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     try:
@@ -192,7 +206,10 @@ def coerce(key: str, value: Any) -> Any:
         if kind == "float":
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):  # nan or inf: every comparison with them is False
+                raise ConfigError(f"{label}={value!r} is not valid; expected a finite number")
+            return number
         if kind.startswith("list"):
             if isinstance(value, str):
                 return [v.strip() for v in value.split(",") if v.strip()]
@@ -205,57 +222,85 @@ def coerce(key: str, value: Any) -> Any:
         if key in CHOICES:
             text = text.strip().lower()
             if text not in CHOICES[key]:
-                raise ConfigError(f"{key}={value!r} is not valid; valid: {', '.join(CHOICES[key])}")
+                raise ConfigError(f"{label}={value!r} is not valid; valid: {', '.join(CHOICES[key])}")
         return text
     except ConfigError:
         raise
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         expected = {"bool": "true or false", "int": "an integer", "float": "a number",
                     "list[str]": "a list of names (comma-separated on the command line)"}.get(kind, kind)
-        raise ConfigError(f"{key}={value!r} is not valid; expected {expected}") from None
+        raise ConfigError(f"{label}={value!r} is not valid; expected {expected}") from None
 
 
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """Cross-field checks that need no model or process; raises ConfigError."""
-    for k in _MIN_ONE:
-        if getattr(cfg, k) < 1:
-            raise ConfigError(f"{k}={getattr(cfg, k)} is not valid; it must be >= 1")
-    for k in _NON_NEGATIVE:
-        if getattr(cfg, k) < 0:
-            raise ConfigError(f"{k}={getattr(cfg, k)} is not valid; it must be >= 0")
+def validate(cfg: TrainConfig, labels: Optional[dict[str, str]] = None) -> TrainConfig:
+    """Cross-field and range checks that need no model or process; raises ConfigError naming the option
+    as the user wrote it (``labels``: key -> ``--lr`` or ``lr in run.toml``)."""
+    labels = labels or {}
+
+    def bad(key: str, why: str) -> ConfigError:
+        return ConfigError(f"{labels.get(key, option_label(key))}={getattr(cfg, key)!r} is not valid; {why}")
+
+    for key, (lo, hi) in INT_RANGES.items():
+        value = getattr(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad(key, "expected an integer")
+        if value < lo:
+            raise bad(key, f"it must be >= {lo}")
+        if value > hi:
+            raise bad(key, f"it must be <= {hi}" + (" (numpy seeds are 32-bit)" if key == "seed" else ""))
+    for key in ("lr", "weight_decay", "max_grad_norm", "peak_tflops", "min_lr_ratio", "val_fraction",
+                "adam_beta1", "adam_beta2"):
+        value = getattr(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise bad(key, "expected a finite number")
+    for key in _NON_NEGATIVE:
+        if getattr(cfg, key) < 0:
+            raise bad(key, "it must be >= 0")
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
-        raise ConfigError(f"min_lr_ratio={cfg.min_lr_ratio} is not valid; it must be between 0 and 1")
+        raise bad("min_lr_ratio", "it must be between 0 and 1")
     if not 0.0 < cfg.val_fraction < 1.0:
-        raise ConfigError(f"val_fraction={cfg.val_fraction} is not valid; it must be between 0 and 1 (exclusive)")
-    for k in ("adam_beta1", "adam_beta2"):
-        if not 0.0 <= getattr(cfg, k) < 1.0:
-            raise ConfigError(f"{k}={getattr(cfg, k)} is not valid; it must be in [0, 1)")
-    for k, choices in CHOICES.items():
-        if getattr(cfg, k) not in choices:
-            raise ConfigError(f"{k}={getattr(cfg, k)!r} is not valid; valid: {', '.join(choices)}")
+        raise bad("val_fraction", "it must be between 0 and 1 (exclusive)")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(cfg, key) < 1.0:
+            raise bad(key, "it must be in [0, 1)")
+    for key, choices in CHOICES.items():
+        if getattr(cfg, key) not in choices:
+            raise bad(key, f"valid: {', '.join(choices)}")
+    for key in ("model", "data", "out"):
+        if not getattr(cfg, key).strip():
+            raise bad(key, "it must not be empty")
     return cfg
 
 
-def load_toml(path: str) -> dict[str, Any]:
-    """A TOML file's keys as field names. Tables (``[fsdp]``...) are flattened: their keys are ours too."""
+def load_toml(path: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """A TOML file's keys as field names, and how to name each in messages. Tables (``[fsdp]``...) are
+    flattened: their keys are ours too."""
+    where = f"--config {path}"
+    if os.path.isdir(path):
+        raise ConfigError(f"{where}: is a directory; --config names a TOML file")
     try:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"config file {path!r} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path!r} does not exist ({where})") from None
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot be read ({e.strerror})") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
     flat: dict[str, Any] = {}
+    labels: dict[str, str] = {}
 
     def walk(table: dict[str, Any]) -> None:
         for k, v in table.items():
             if isinstance(v, dict):
                 walk(v)
             else:
-                flat[canonical_key(k)] = coerce(canonical_key(k), v)
+                key = canonical_key(k)
+                labels[key] = f"{k} in {path}"
+                flat[key] = coerce(key, v, labels[key])
 
     walk(raw)
-    return flat
+    return flat, labels
 
 
 def parse_overrides(argv: Sequence[str]) -> tuple[Optional[str], dict[str, Any]]:
@@ -272,7 +317,7 @@ def parse_overrides(argv: Sequence[str]) -> tuple[Optional[str], dict[str, Any]]
         name, eq, inline = arg[2:].partition("=")
         if name == "config":
             if not eq:
-                if i + 1 >= len(argv):
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
                     raise ConfigError("--config needs a path to a TOML file")
                 i += 1
                 inline = argv[i]
@@ -287,20 +332,21 @@ def parse_overrides(argv: Sequence[str]) -> tuple[Optional[str], dict[str, Any]]
                 key, negated = canonical_key("--" + name[3:]), True
             else:
                 raise
+        label = "--" + name
         is_bool = str(fields[key].type) == "bool"
         if negated:
             if not is_bool:
                 raise ConfigError(f"--no-{key.replace('_', '-')}: {key} is not a true/false option")
             values[key] = False
         elif eq:
-            values[key] = coerce(key, inline)
+            values[key] = coerce(key, inline, label)
         elif is_bool and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
             values[key] = True  # a bare flag
         else:
             if i + 1 >= len(argv):
                 raise ConfigError(f"--{name} needs a value")
             i += 1
-            values[key] = coerce(key, argv[i])
+            values[key] = coerce(key, argv[i], label)
         i += 1
     return config_path, values
 
@@ -308,9 +354,10 @@ def parse_overrides(argv: Sequence[str]) -> tuple[Optional[str], dict[str, Any]]
 def resolve(argv: Sequence[str]) -> TrainConfig:
     """Defaults <- TOML file <- command-line overrides, validated."""
     config_path, overrides = parse_overrides(argv)
-    values = load_toml(config_path) if config_path else {}
+    values, labels = load_toml(config_path) if config_path else ({}, {})
     values.update(overrides)
-    return validate(TrainConfig(**values))
+    labels.update({k: option_label(k) for k in overrides})
+    return validate(TrainConfig(**values), labels)
 
 
 def to_toml(cfg: TrainConfig) -> str:

@@ -55,6 +55,13 @@ class TokenStream:
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
+    def max_token(self) -> int:
+        """The largest token id in the stream (-1 if empty). Reads all of it, one piece at a time."""
+        best = -1
+        for p in self.pieces:
+            best = max(best, int(np.memmap(p.path, dtype=self.dtype, mode="r")[p.start:p.stop].max()))
+        return best
+
     def read(self, lo: int, hi: int) -> np.ndarray:
         """Tokens ``[lo, hi)`` of the stream as a numpy array (read from disk now)."""
         lo, hi = max(0, lo), min(len(self), hi)
@@ -109,7 +116,8 @@ def open_splits(source: str, val_fraction: float) -> tuple[TokenStream, TokenStr
     if os.path.isdir(source):
         files = _walk_sorted(source, _TEXT_SUFFIXES)
         if len(files) < 2:
-            raise DataError(f"data directory {source!r} holds fewer than 2 text files ({', '.join(_TEXT_SUFFIXES)})")
+            raise DataError(f"--data {source}: the directory holds {len(files)} text file(s), fewer than 2 (one at least "
+                            f"for training, one for validation; text files end in {', '.join(_TEXT_SUFFIXES)})")
         train, val = _split_files(files, val_fraction)
         return TokenStream(train, np.uint8), TokenStream(val, np.uint8)
     if os.path.isfile(source):
@@ -117,10 +125,11 @@ def open_splits(source: str, val_fraction: float) -> tuple[TokenStream, TokenStr
         n = os.path.getsize(source) // np.dtype(dtype).itemsize
         cut = int(n * (1 - val_fraction))
         return TokenStream([Piece(source, 0, cut)], dtype), TokenStream([Piece(source, cut, n)], dtype)
-    raise DataError(f"data={source!r} is neither 'stdlib' nor an existing file or directory")
+    raise DataError(f"--data {source}: no such file or directory; valid: 'stdlib', a text file, a directory of "
+                    f"text files, or a .bin file of uint16 token ids")
 
 
-def _rank_bounds(total: int, rank: int, world_size: int) -> tuple[int, int]:
+def rank_bounds(total: int, rank: int, world_size: int) -> tuple[int, int]:
     return total * rank // world_size, total * (rank + 1) // world_size
 
 
@@ -134,7 +143,7 @@ class BatchSampler:
 
     def __init__(self, stream: TokenStream, seq_len: int, batch_size: int, rank: int, world_size: int,
                  seed: int, stream_id: int = 0, whole: bool = False):
-        lo, hi = (0, len(stream)) if whole else _rank_bounds(len(stream), rank, world_size)
+        lo, hi = (0, len(stream)) if whole else rank_bounds(len(stream), rank, world_size)
         if hi - lo < seq_len + 2:
             what = "the validation split" if stream_id else "this rank's slice of the training data"
             raise DataError(f"{what} has {hi - lo} tokens, fewer than seq_len + 2 = {seq_len + 2}; "

@@ -44,9 +44,29 @@ def load_hf_config(path: str):
     if not model_type:
         raise HFConfigError(f"{cfg_file!r} has no 'model_type' (llama, qwen2, mistral, gpt2, ...)")
     try:
-        return AutoConfig.for_model(model_type, **raw)
-    except (ValueError, KeyError) as e:
-        raise HFConfigError(f"{cfg_file!r}: transformers does not know model_type {model_type!r}: {e}") from None
+        config = AutoConfig.for_model(model_type, **raw)
+    except (ValueError, KeyError, TypeError) as e:
+        raise HFConfigError(f"{cfg_file!r}: transformers {transformers_version()} does not know model_type "
+                            f"{model_type!r} ({type(e).__name__})") from None
+    check_causal_lm(config, cfg_file)
+    return config
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def check_causal_lm(config, cfg_file: str) -> None:
+    """shardwise train builds ``AutoModelForCausalLM``: refuse encoders, encoder-decoders and vision models
+    (ViT, T5, BERT ...) here, with the reason, rather than with transformers' traceback in every worker."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise HFConfigError(f"{cfg_file!r}: model_type {config.model_type!r} is not a causal language model "
+                            f"(AutoModelForCausalLM cannot build it); shardwise train needs one, e.g. llama, "
+                            f"qwen2, mistral, gpt2")
 
 
 def build_hf_model(config, device: torch.device | str = "cpu") -> nn.Module:

@@ -61,8 +61,8 @@ class ModelSpec:
             present = {type(m).__name__: type(m) for m in model.modules()}
             missing = [n for n in cls_names if n not in present]
             if missing:
-                raise ModelError(f"transformer_layer_cls_to_wrap: {', '.join(missing)} not in {type(model).__name__}; "
-                                 f"module classes present: {', '.join(sorted(present))}")
+                raise ModelError(f"--transformer-layer-cls-to-wrap {','.join(cls_names)}: {', '.join(missing)} not in "
+                                 f"{type(model).__name__}; module classes present: {', '.join(sorted(present))}")
             return {present[n] for n in cls_names}
         return self.default_block_classes(model) or "auto"
 
