@@ -1,11 +1,23 @@
-"""The ``shardwise`` command (also ``python -m shardwise``): ``train``, ``estimate-memory``, ``export``."""
+"""The ``shardwise`` command (also ``python -m shardwise``): ``train``, ``estimate-memory``, ``export``.
+
+Every failure a user can cause ends here as one line on stderr, ``shardwise <command>: error: ...``,
+naming the option or file and what is valid, with a non-zero exit status (2 for a bad command line, 1
+for anything else) and no traceback. ``--debug`` anywhere on the command line (or ``SHARDWISE_DEBUG=1``)
+lets tracebacks through instead, in the workers too. A bug in shardwise itself still prints one line,
+marked ``internal error``, and says how to see the traceback.
+"""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import logging
+import os
 import sys
-from typing import Optional, Sequence
+import tempfile
+from typing import Iterator, Optional, Sequence
 
-USAGE = """usage: shardwise <command> [options]
+USAGE = """usage: shardwise <command> [options] [--debug]
 
 commands:
   train             train a GPT preset or a Hugging Face config with fully sharded data parallel
@@ -13,50 +25,133 @@ commands:
   estimate-memory   per-rank memory plan of a configuration, from the real sharding plan (no processes)
   export            write a full model from a checkpoint (safetensors / Hugging Face layout)
 
-`shardwise <command> --help` lists each command's options."""
+`shardwise <command> --help` lists each command's options; --debug shows tracebacks."""
+
+DEBUG_FLAG = "--debug"
+
+
+class UsageError(Exception):
+    """A command line that cannot be run; the message names the option (exit status 2)."""
 
 
 def train_main(argv: Sequence[str]) -> int:
-    from shardwise.trainer.config import ConfigError, help_text, resolve
-    from shardwise.trainer.model_factory import ModelError, resolve_model
+    from shardwise.trainer.config import help_text, resolve
+    from shardwise.trainer.launch import under_torchrun
+    from shardwise.trainer.preflight import check_before_launch
 
     if any(a in ("-h", "--help") for a in argv):
         print(help_text())
         return 0
-    try:
-        cfg = resolve(argv)
-        resolve_model(cfg.model)  # reject a bad --model before starting any process
-    except (ConfigError, ModelError) as e:
-        print(f"shardwise train: error: {e}", file=sys.stderr)
-        return 2
+    cfg = resolve(argv)
+    launching = not under_torchrun()
+    world = cfg.nproc if launching else int(os.environ.get("WORLD_SIZE", "1"))
+    local = cfg.nproc if launching else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    check_before_launch(cfg, world_size=world, local_ranks=local, launching=launching)
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from shardwise.trainer.failures import collected_failures, debug_enabled
     from shardwise.trainer.loop import run
 
-    try:
-        run(cfg)
-    except ChildFailedError as e:
-        print(f"shardwise train: a rank failed:\n{e.format_msg()}", file=sys.stderr)
-        return 1
+    with _worker_error_dir() as error_dir, _quiet_launcher():
+        try:
+            run(cfg)
+        except ChildFailedError as e:
+            if debug_enabled():
+                raise  # torch's report, with every failed rank's traceback
+            lines = collected_failures(error_dir) if error_dir else []
+            for rank, failure in sorted(e.failures.items()):
+                if not lines and failure.exitcode is not None and failure.exitcode < 0:
+                    lines.append(f"rank {rank} was killed by signal {-failure.exitcode}")
+            for line in lines or [f"{len(e.failures)} rank(s) failed; rerun with --debug to see their tracebacks"]:
+                print(f"shardwise train: error: {line}", file=sys.stderr)
+            return 1
     return 0
 
 
-def estimate_main(argv: Sequence[str]) -> int:
-    from shardwise.estimate import main
+@contextlib.contextmanager
+def _worker_error_dir() -> Iterator[Optional[str]]:
+    """Where self-launched workers leave their one-line errors (``failures``); none under torchrun."""
+    from shardwise.trainer.failures import ERROR_DIR_ENV
+    from shardwise.trainer.launch import under_torchrun
 
-    return main(argv)
+    if under_torchrun():
+        yield None
+        return
+    previous = os.environ.get(ERROR_DIR_ENV)
+    with tempfile.TemporaryDirectory(prefix="shardwise-errors-") as d:
+        os.environ[ERROR_DIR_ENV] = d
+        try:
+            yield d
+        finally:
+            if previous is None:
+                os.environ.pop(ERROR_DIR_ENV, None)
+            else:
+                os.environ[ERROR_DIR_ENV] = previous
+
+
+@contextlib.contextmanager
+def _quiet_launcher() -> Iterator[None]:
+    """torch's elastic agent logs every failed worker with its traceback, and the ranks it stops after the
+    first failure; the workers' own lines say what matters."""
+    from shardwise.trainer.failures import debug_enabled
+
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [logger.level for logger in loggers]
+    if not debug_enabled():
+        for logger in loggers:
+            logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def estimate_main(argv: Sequence[str]) -> int:
+    from shardwise import estimate
+
+    parser = estimate.make_parser()
+    parser.error = _raise_usage  # type: ignore[method-assign]  # one line, not argparse's usage block
+    args = parser.parse_args(argv)
+    _check_estimate_args(args)
+    return estimate.main(argv)
+
+
+def _check_estimate_args(args: argparse.Namespace) -> None:
+    """Numbers ``estimate-memory`` would otherwise plan with silently (or fail on deep inside)."""
+    from shardwise.estimate import parse_size
+    from shardwise.trainer.config import INT_RANGES
+    from shardwise.trainer.model_factory import resolve_model
+
+    for option, value, hi in (("--world-size", args.world_size, 2**24), ("--batch-size", args.batch_size, 2**20),
+                              ("--seq-len", args.seq_len, INT_RANGES["seq_len"][1]),
+                              ("--ranks-per-node", args.ranks_per_node, 2**16)):
+        if not 1 <= value <= hi:
+            raise UsageError(f"{option} {value}: must be between 1 and {hi}")
+    if args.sharding_strategy.startswith("hybrid") and args.world_size > args.ranks_per_node \
+            and args.world_size % args.ranks_per_node:
+        raise UsageError(f"--ranks-per-node {args.ranks_per_node} does not divide --world-size {args.world_size}: "
+                         f"{args.sharding_strategy} shards within a node and replicates across whole nodes")
+    spec = resolve_model(args.model)
+    if spec.max_seq_len is not None and args.seq_len > spec.max_seq_len:
+        raise UsageError(f"--seq-len {args.seq_len}: longer than {spec.name}'s {spec.max_seq_len} positions")
+    if args.device_memory is not None:
+        try:
+            if parse_size(args.device_memory) < 1:
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"--device-memory {args.device_memory!r}: not a positive memory size (e.g. 80GB, "
+                             f"24GiB)") from None
+
+
+def _raise_usage(message: str):
+    raise UsageError(message)
 
 
 def export_main(argv: Sequence[str]) -> int:
-    try:
-        from shardwise.checkpoint import export_main as run_export  # type: ignore[attr-defined]
-    except ImportError:
-        try:
-            from shardwise.checkpoint.export import export_main as run_export
-        except ImportError:
-            print("shardwise export: error: this installation has no checkpoint export (shardwise.checkpoint)",
-                  file=sys.stderr)
-            return 2
+    from shardwise.checkpoint.export import export_main as run_export
+
     return int(run_export(list(argv)) or 0)
 
 
@@ -64,12 +159,39 @@ COMMANDS = {"train": train_main, "estimate-memory": estimate_main, "export": exp
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from shardwise.errors import ShardwiseError
+    from shardwise.trainer.failures import USER_ERRORS, debug_enabled, one_line
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    if DEBUG_FLAG in argv:
+        argv = [a for a in argv if a != DEBUG_FLAG]
+        from shardwise.checkpoint.agree import DEBUG_ENV
+
+        os.environ[DEBUG_ENV] = "1"  # the workers inherit it
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        print(f"shardwise: unknown command {command!r}; valid: {', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
+        print(f"shardwise: error: unknown command {command!r}; valid: {', '.join(COMMANDS)} "
+              f"(shardwise --help)", file=sys.stderr)
         return 2
-    return COMMANDS[command](rest)
+    if debug_enabled():
+        return COMMANDS[command](rest)
+    try:
+        return COMMANDS[command](rest)
+    except UsageError as e:
+        print(f"shardwise {command}: error: {e}", file=sys.stderr)
+        return 2
+    except USER_ERRORS as e:  # bad options, model or data: 2, like a bad command line; a checkpoint: 1
+        print(f"shardwise {command}: error: {one_line(e)}", file=sys.stderr)
+        return 1 if isinstance(e, ShardwiseError) else 2
+    except KeyboardInterrupt:
+        print(f"shardwise {command}: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit as e:  # argparse's --help (0), or a library calling sys.exit
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception as e:  # a bug in shardwise: still one line, and the way to the traceback
+        print(f"shardwise {command}: error: {one_line(e)}", file=sys.stderr)
+        return 1
+

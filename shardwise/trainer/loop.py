@@ -31,9 +31,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import shardwise
 from shardwise.api import runtime_of
 from shardwise.trainer import config as config_mod
-from shardwise.trainer import launch, metrics, plot, schedule, state
+from shardwise.trainer import failures, launch, metrics, plot, preflight, schedule, state
 from shardwise.trainer.config import TrainConfig
-from shardwise.trainer.data import BYTE_VOCAB, BatchSampler, open_splits
+from shardwise.trainer.data import BatchSampler, open_splits
 from shardwise.trainer.model_factory import ModelSpec, lm_loss, resolve_model
 
 _DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -99,13 +99,9 @@ def evaluate(model: nn.Module, spec: ModelSpec, sampler: BatchSampler, batches: 
 
 
 def check_model_fits_data(cfg: TrainConfig, spec: ModelSpec, max_token: int) -> None:
-    if spec.max_seq_len is not None and cfg.seq_len > spec.max_seq_len:
-        raise config_mod.ConfigError(
-            f"seq_len={cfg.seq_len} is longer than {spec.name}'s {spec.max_seq_len} positions; use --seq-len "
-            f"{spec.max_seq_len} or less")
-    if max_token >= spec.vocab_size:
-        raise config_mod.ConfigError(f"the data holds token id {max_token} but {spec.name}'s vocabulary has "
-                                     f"{spec.vocab_size} entries (byte-level data needs >= {BYTE_VOCAB})")
+    """The launcher checked this already (``preflight``); a rank calling ``train`` directly checks here."""
+    preflight.check_seq_len(cfg, spec)
+    preflight.check_token_ids(cfg, spec, max_token)
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -210,13 +206,19 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     return summary
 
 
-@record  # a failing rank's traceback reaches the launcher's error report
+@record  # with --debug, a failing rank's traceback reaches the launcher's error report
 def train_worker(cfg_values: dict[str, Any]) -> dict[str, Any]:
-    """Entry point of one rank (module-level so the elastic launcher can pickle it)."""
+    """Entry point of one rank (module-level so the elastic launcher can pickle it). A failure leaves this
+    rank's one-line message for the launcher (``failures``) and exits with status 1, no traceback."""
     cfg = TrainConfig(**cfg_values)
-    launch.init_worker(cfg.backend, cfg.timeout_s, cfg.threads_per_rank)
     try:
+        launch.init_worker(cfg.backend, cfg.timeout_s, cfg.threads_per_rank)
         return train(cfg)
+    except Exception as e:
+        if failures.debug_enabled():
+            raise
+        failures.report_worker_failure(e)  # first: the launcher stops the other ranks once one has exited
+        raise SystemExit(1) from None
     finally:
         sys.stdout.flush()
         launch.shutdown_worker()

@@ -3,6 +3,8 @@ the same command run as one worker under torchrun. Each is a real end-to-end run
 
 import json
 import os
+import re
+import resource
 import subprocess
 import sys
 
@@ -74,8 +76,34 @@ def test_under_torchrun_runs_as_one_worker(tmp_path):
     _check_run_dir(out)
 
 
-def test_failing_rank_is_reported(tmp_path):
+def test_a_bad_option_is_refused_before_any_worker_starts(tmp_path):
     r = _run([sys.executable, "-m", "shardwise", "train", *TINY, "--nproc", "1", "--seq-len", "4096",
               "--out", str(tmp_path / "run")])
-    assert r.returncode != 0
-    assert "seq_len=4096 is longer than gpt-tiny's 128 positions" in r.stdout + r.stderr
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "shardwise train: error: --seq-len 4096: longer than gpt-tiny's 128 positions; use --seq-len 128 or less"]
+    assert not (tmp_path / "run").exists()  # checked in the launching process: no config.toml, no worker
+
+
+def _small_files_only():
+    resource.setrlimit(resource.RLIMIT_FSIZE, (400_000, resource.RLIM_INFINITY))  # a checkpoint needs ~1.7 MB
+
+
+def test_a_full_disk_during_a_save_is_one_line_naming_the_file(tmp_path):
+    """A write that fails inside the workers (here EFBIG from a file-size limit, as ENOSPC would) reaches
+    the user as one line, reported by both ranks, not as a traceback per rank; the failed save leaves no
+    temporary directory behind and no step-* directory a resume could trip on."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "shardwise", "train", *TINY, "--nproc", "2", "--save-every", "1",
+                        "--eval-every", "0", "--no-progress", "--out", str(out)],
+                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240, preexec_fn=_small_files_only)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    # Both ranks raise the agreed error; the second may be stopped by the launcher before it reports.
+    assert re.fullmatch(
+        re.escape(f"shardwise train: error: writing {out}/.tmp-step-00000001/rank-00000-of-00002.safetensors failed "
+                  f"on rank 0: OSError: [EFBIG] File too large; {out}/step-00000001 was not saved (earlier "
+                  f"checkpoints are untouched) ") + r"\((ranks 0, 1|rank 0|rank 1)\)", lines[0]), lines[0]
+    assert "Traceback" not in r.stdout
+    assert sorted(os.listdir(out)) == ["config.toml", "metrics.jsonl"]
