@@ -242,7 +242,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         local = torch.stack(maxes).max() if maxes else torch.zeros((), device=device)
         local = local.to(device)
         if rt.groups.shard is not None:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=rt.groups.shard)
+            collectives.run_and_wait(dist.all_reduce, local, op=dist.ReduceOp.MAX, group=rt.groups.shard,
+                                     what="clip_grad_norm_'s max-reduce")
         total = local
     else:
         if grads:

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from shardwise import watchdog
+from shardwise import device as devices, watchdog
 from shardwise.errors import ShardwiseError
 
 # torch 2.13 deprecates the *_tensor names in favour of *_single; 2.11 (the GPU image) only has the old ones.
@@ -38,13 +38,13 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _use_all_reduce_cache: dict = {}
 
 
-def gathers_by_all_reduce(group) -> bool:
-    """Whether all-gather / reduce-scatter on ``group`` run as one all-reduce, which can also carry an
-    in-band header (consistency.py)."""
-    key = id(group)
+def gathers_by_all_reduce(group, device: torch.device = torch.device("cpu")) -> bool:
+    """Whether all-gather / reduce-scatter of ``device`` tensors on ``group`` run as one all-reduce, which can
+    also carry an in-band header (consistency.py): where gloo carries them."""
+    key = (id(group), device.type)
     if key not in _use_all_reduce_cache:
         native = os.environ.get("SHARDWISE_GLOO_NATIVE_COLLECTIVES", "0") not in ("0", "", "false", "False")
-        _use_all_reduce_cache[key] = dist.get_backend(group) == "gloo" and not native
+        _use_all_reduce_cache[key] = devices.backend_for(group, device) == "gloo" and not native
     return _use_all_reduce_cache[key]
 
 
@@ -77,7 +77,7 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: 
     """Concatenate every rank's ``shard`` (same numel everywhere) into ``output``, rank-major.
     ``header`` (all-reduce path only) is summed into ``output``'s tail, after the gathered data.
     ``what`` names the call in errors and stall reports when ``async_op=False`` (default: op, size, caller)."""
-    if gathers_by_all_reduce(group):
+    if gathers_by_all_reduce(group, output.device):
         n = shard.numel()
         output.zero_()
         output.narrow(0, dist.get_rank(group) * n, n).copy_(shard)
@@ -97,7 +97,7 @@ def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, group, async_o
     """Sum ``flat`` over ranks and keep this rank's contiguous 1/N chunk in ``output``.
     On gloo ``flat`` is overwritten with the full sum (see the Note above); ``header`` (that path only) is
     written into ``flat``'s tail, after the N chunks, and summed with them."""
-    if gathers_by_all_reduce(group):
+    if gathers_by_all_reduce(group, flat.device):
         n = output.numel()
         _place_header(flat, n * dist.get_world_size(group), header)
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -159,9 +159,7 @@ def _waits_on_cpu(group) -> bool:
     key = id(group)
     cached = _cpu_wait_cache.get(key)
     if cached is None:
-        backend = str(dist.get_backend(group))
-        # torch 2.13 reports "undefined" after init_process_group() without a backend: gloo on a CPU machine.
-        cached = "nccl" not in backend and not (backend == "undefined" and torch.cuda.is_available())
+        cached = not ("nccl" in devices.backends(group).values() and torch.cuda.is_available())
         _cpu_wait_cache[key] = cached
     return cached
 

@@ -23,18 +23,22 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from shardwise import collectives
+from shardwise.device import compute_device
+
 
 class ShardedGradScaler(torch.amp.GradScaler):
     def __init__(self, device: Optional[str] = None, *, process_group: Optional[dist.ProcessGroup] = None,
                  init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, enabled: bool = True):
-        backend = dist.get_backend(process_group) if dist.is_initialized() else "gloo"
+        # Where the gradients (and so the found-inf flags) live: the device shard() computes on by default.
+        flag_device = compute_device([], process_group) if dist.is_initialized() else torch.device("cpu")
         if device is None:
-            device = "cuda" if backend == "nccl" else "cpu"
+            device = flag_device.type
         super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
         self.process_group = process_group
-        self._flag_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self._flag_device = flag_device
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         super().unscale_(optimizer)
@@ -55,7 +59,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         flag = torch.zeros((), dtype=torch.float32, device=self._flag_device)
         for f in found.values():
             flag = torch.maximum(flag, f.to(self._flag_device, torch.float32))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        collectives.run_and_wait(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=self.process_group,
+                                 what="the fp16 overflow vote")
         if not found:  # this rank's shard holds no gradient: record the group's verdict anyway
             found[self._flag_device] = flag
         for f in found.values():

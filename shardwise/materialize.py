@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from shardwise import collectives
 from shardwise.errors import ShardwiseError
 from shardwise.flat_buffer import FlatGroup
 from shardwise.hf_init import hf_param_init_fn, is_hf_model
@@ -126,7 +127,7 @@ def fill_group_from_rank0(
         full.zero_()  # the padding is broadcast into the last rank's shard, which keeps it zero
         for spec in group.plan.params:
             full.narrow(0, spec.offset, spec.numel).copy_(value_of(spec).detach().reshape(-1))
-    dist.broadcast(full, src=0)
+    collectives.run_and_wait(dist.broadcast, full, src=0, what=f"rank 0's values of unit {group.plan.unit_fqn or '<root>'!r}")
     with torch.no_grad():
         group.shard.copy_(full.narrow(0, group.shard_start, group.plan.shard_numel))
 
@@ -142,5 +143,5 @@ def fill_from_rank0(model: nn.Module, groups: list[FlatGroup], device: torch.dev
             if b.is_meta or b.device != device:
                 b = torch.empty_like(b, device=device) if b.is_meta else b.to(device)
                 module._buffers[n] = b
-            dist.broadcast(b, src=0)
+            collectives.run_and_wait(dist.broadcast, b, src=0, what=f"rank 0's buffer {n!r}")
 

@@ -1,5 +1,9 @@
 """Full (unsharded) state dicts with the original names: gathered one flat group at a time, so no rank
-holds more than one unit's full parameters beyond the CPU copy rank 0 is building."""
+holds more than one unit's full parameters beyond the CPU copy rank 0 is building.
+
+Keys are whatever ``model.state_dict()`` calls each tensor *now*, matched to our shards by identity:
+state-dict hooks that rename keys (torch's checkpoint wrapper drops ``_checkpoint_wrapped_module.``,
+peft adds its own) are honoured without knowing about them."""
 
 from __future__ import annotations
 
@@ -14,14 +18,13 @@ from shardwise.errors import ShardwiseError
 from shardwise.materialize import fill_group_from_rank0
 
 
-def _buffer_entries(model: nn.Module, keys: set[str]) -> dict[str, tuple[nn.Module, str]]:
-    out = {}
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        for n in mod._buffers:
-            fqn = f"{mod_name}.{n}" if mod_name else n
-            if fqn in keys:
-                out[fqn] = (mod, n)
-    return out
+def _entries(rt, model: nn.Module) -> dict[str, object]:
+    """state_dict key -> ``(group, parameter index)`` for a sharded parameter, or the tensor itself for a
+    buffer, in ``model.state_dict()`` order. Between steps every module holds its shard parameter, so
+    ``state_dict(keep_vars=True)`` hands back exactly those objects."""
+    where = {id(p): (g, i) for u in rt.units for g in u.groups for i, p in enumerate(g.shard_params)}
+    return {k: where.get(id(v), v) for k, v in model.state_dict(keep_vars=True).items()
+            if isinstance(v, torch.Tensor)}
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -33,40 +36,29 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from shardwise.api import runtime_of
 
     rt = runtime_of(model)
+    rt.settle()
     is_rank0 = dist.get_rank() == 0
     if rt.checker is not None:
         rt.checker.check_now("state_dict", len(rt.units))
-    by_name: dict[str, torch.Tensor] = {}
+    full_of: dict[tuple[int, int], torch.Tensor] = {}
     for u in rt.units:
         for g in u.groups:
             full = g.shard if g.groups.shard is None else g.gather_full()
             if is_rank0:
-                for spec in g.plan.params:
-                    t = full.narrow(0, spec.offset, spec.numel).view(spec.shape).detach().to("cpu", copy=True)
-                    for ref in spec.refs:
-                        by_name[ref.fqn] = t
+                for i, spec in enumerate(g.plan.params):
+                    full_of[id(g), i] = full.narrow(0, spec.offset, spec.numel).view(spec.shape).detach().to(
+                        "cpu", copy=True)
             del full
     if not is_rank0:
         return {}
-    keys = rt.state_dict_keys
-    buffers = _buffer_entries(model, set(keys))
     out = {}
-    for k in keys:
-        if k in by_name:
-            out[k] = by_name[k]
-        elif k in buffers:
-            mod, n = buffers[k]
-            out[k] = mod._buffers[n].detach().to("cpu", copy=True)
+    for k, e in _entries(rt, model).items():
+        out[k] = full_of[id(e[0]), e[1]] if isinstance(e, tuple) else e.detach().to("cpu", copy=True)
     return out
 
 
-def _validate(rt, model: nn.Module, sd: Mapping[str, torch.Tensor]) -> str:
-    expected: dict[str, torch.Size] = {}
-    for spec in rt.plan.params():
-        for ref in spec.refs:
-            expected[ref.fqn] = spec.shape
-    for k, (mod, n) in _buffer_entries(model, set(rt.state_dict_keys)).items():
-        expected[k] = mod._buffers[n].shape
+def _validate(entries: dict, sd: Mapping[str, torch.Tensor]) -> str:
+    expected = {k: e[0].plan.params[e[1]].shape if isinstance(e, tuple) else e.shape for k, e in entries.items()}
     problems = []
     missing = [k for k in expected if k not in sd]
     extra = [k for k in sd if k not in expected]
@@ -91,17 +83,25 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     from shardwise.api import runtime_of
 
     rt = runtime_of(model)
+    rt.settle()
     is_rank0 = dist.get_rank() == 0
+    entries = _entries(rt, model)
     if rt.checker is not None:
         rt.checker.check_now("state_dict", len(rt.units))
-    problem = collectives.broadcast_text(_validate(rt, model, state_dict) if is_rank0 else None, src=0)
+    problem = collectives.broadcast_text(_validate(entries, state_dict) if is_rank0 else None, src=0)
     if problem:
         raise ShardwiseError(f"load_full_state_dict: {problem}")
+    key_of = {}
+    for k, e in entries.items():
+        if isinstance(e, tuple):
+            key_of.setdefault((id(e[0]), e[1]), k)
     for u in rt.units:
         for g in u.groups:
-            fill_group_from_rank0(g, rt.device, lambda spec: state_dict[spec.fqn])
-    for k, (mod, n) in _buffer_entries(model, set(rt.state_dict_keys)).items():
-        b = mod._buffers[n]
-        if is_rank0:
-            b.copy_(state_dict[k])
-        dist.broadcast(b, src=0)
+            index = {id(spec): i for i, spec in enumerate(g.plan.params)}
+            fill_group_from_rank0(g, rt.device, lambda spec, g=g, index=index: state_dict[key_of[id(g), index[id(spec)]]])
+    with torch.no_grad():
+        for k, e in entries.items():
+            if not isinstance(e, tuple):
+                if is_rank0:
+                    e.copy_(state_dict[k])
+                collectives.run_and_wait(dist.broadcast, e, src=0, what=f"rank 0's buffer {k!r}")

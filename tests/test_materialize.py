@@ -102,6 +102,48 @@ SCENARIOS = {
 }
 
 
+class Rotary(nn.Module):
+    """A parameter-less module whose buffer is computed in __init__ (RoPE's inv_freq): on meta, nothing
+    can recompute it, so shard() must refuse instead of leaving garbage that differs per rank."""
+
+    def __init__(self, d: int = 6):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), persistent=False)
+
+
+class WithRotary(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(6, 6) for _ in range(2)])
+        self.rotary = Rotary()
+
+
+def _init_rotary(module: nn.Module) -> None:
+    if isinstance(module, Rotary):
+        module.inv_freq.copy_(Rotary().inv_freq)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+
+
+def _meta_buffers(rank, ws):
+    out = {}
+    with torch.device("meta"):
+        model = WithRotary()
+    try:
+        shardwise.shard(model, units={nn.Linear})
+        out["default"] = "no error"
+    except shardwise.ShardwiseError as e:
+        out["default"] = str(e)
+    with torch.device("meta"):
+        model = WithRotary()
+    shardwise.shard(model, units={nn.Linear}, param_init_fn=_init_rotary)
+    out["param_init_fn"] = (model.rotary.inv_freq - Rotary().inv_freq).abs().max().item()
+    return out
+
+
+SCENARIOS["meta_buffers"] = _meta_buffers
+
+
 def _materialize_worker(rank, ws):
     return run_scenarios(SCENARIOS, rank, ws)
 
@@ -109,6 +151,15 @@ def _materialize_worker(rank, ws):
 @spawn_once
 def report() -> list:
     return run_distributed(_materialize_worker, WORLD_SIZE)
+
+
+def test_a_meta_buffer_no_init_writes_is_a_named_error_and_param_init_fn_fills_it():
+    """RoPE-style buffer of a parameter-less module built on meta: a ShardwiseError naming it on every rank,
+    not uninitialised memory; with a param_init_fn that writes it, the exact values."""
+    for r in report():
+        out = scenario(r, "meta_buffers")
+        assert "rotary.inv_freq (Rotary)" in out["default"] and "param_init_fn" in out["default"], out
+        assert out["param_init_fn"] == 0.0
 
 
 @pytest.mark.parametrize("tie", [False, True])
