@@ -21,6 +21,7 @@ Buffer lifetimes (N = shard group size, P = padded numel of the group)::
 from __future__ import annotations
 
 import enum
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -29,6 +30,8 @@ import torch.nn as nn
 
 from shardwise import collectives
 from shardwise.consistency import SLOT, CollectiveChecker, Stamp
+from shardwise.device import backend_for
+from shardwise.errors import ShardwiseError
 from shardwise.mixed_precision import MixedPrecision
 from shardwise.offload import CPUOffload
 from shardwise.plan import FlatGroupPlan
@@ -39,6 +42,7 @@ class GatherState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"  # all-gather issued, not yet waited on
     GATHERED = "gathered"
+    FAILED = "failed"  # the all-gather's wait raised before it completed: the buffer is never freed or reused
 
 
 class FlatGroup:
@@ -54,49 +58,23 @@ class FlatGroup:
         self.groups = groups
         self.device = device
         self.offload = offload
-        self.param_dtype = mixed_precision.compute_dtype(plan.dtype)
-        self.reduce_dtype = mixed_precision.grad_reduce_dtype(plan.dtype)
-        if offload is not None:
-            self.shard = offload.allocate(plan.shard_numel, plan.dtype, device)
-        else:
-            self.shard = torch.empty(plan.shard_numel, dtype=plan.dtype, device=device)
-        self.shard.zero_()  # padding stays zero forever: checksums and exports are deterministic
-
+        self.mixed_precision = mixed_precision
         start, end = plan.shard_range(groups.shard_rank)
         self.shard_start = start
         self.local_slices: list[tuple[int, int, int]] = []  # per param: (lo, hi) in the param, offset in shard
-        self.shard_params: list[nn.Parameter] = []
         for spec in plan.params:
             lo, hi = spec.local_range(start, end)
-            at = spec.offset + lo - start if hi > lo else 0
-            self.local_slices.append((lo, hi, at))
-            self.shard_params.append(nn.Parameter(self.shard.narrow(0, at, hi - lo), requires_grad=spec.requires_grad))
-        # Where each shard parameter's data must stay: a conversion after shard() (model.half(), p.data = ...)
-        # moves it, and forward would silently keep computing with the flat shard (see changed_param).
-        # The storage, not the data pointer: a rank's empty piece has data_ptr 0 whatever it points into, and
-        # the verdict must be the same on every rank (one rank raising alone would leave the others waiting).
-        self._param_homes = [_home(p) for p in self.shard_params]
-
-        # With one rank per shard group, no cast and no offload, the "gathered" buffer *is* the shard:
-        # nothing to communicate and nothing to free (no_shard / DDP).
-        self.aliases_shard = groups.shard_size == 1 and self.param_dtype == plan.dtype and offload is None
-        if self.aliases_shard:
-            self.gathered = self.shard
-            self.state = GatherState.GATHERED
-        else:
-            self.gathered = torch.empty(plan.padded_numel, dtype=self.param_dtype, device=device)
-            # Collectives write through a second tensor on the same storage: it has its own version
-            # counter, so refilling the buffer in backward does not trip autograd's check that saved
-            # tensors (views of `gathered`) were not modified in place.
-            self._writer = torch.empty(0, dtype=self.param_dtype, device=device).set_(
-                self.gathered.untyped_storage(), 0, (plan.padded_numel,), (1,)
-            )
-            self.gathered.untyped_storage().resize_(0)
-            self.state = GatherState.SHARDED
+            self.local_slices.append((lo, hi, spec.offset + lo - start if hi > lo else 0))
+        self.shard_params: list[nn.Parameter] = [
+            nn.Parameter(torch.empty(0, dtype=plan.dtype), requires_grad=spec.requires_grad) for spec in plan.params]
+        # The autograd input of this group's UnshardParams (runtime.py): an empty leaf that needs a gradient.
+        self.grad_anchor = torch.empty(0, device=device, requires_grad=True)
+        self._allocate(plan.dtype, [None] * len(plan.params))
         self._gather_work = None
         self._gather_src: Optional[torch.Tensor] = None  # keeps a cast/moved shard alive during the collective
         self._gather_stamp: Optional[Stamp] = None
         self._unsynced_grad: Optional[torch.Tensor] = None  # no_sync accumulation, unsharded, reduce dtype
+        self._warned_frozen = False
         self.checker: Optional[CollectiveChecker] = None
         self.ids = (0, 0)  # (unit index, group index within the unit)
         # In-band fingerprint room after the data (see consistency.py): in the gathered buffer and the
@@ -105,22 +83,98 @@ class FlatGroup:
         self.replica_header_numel = 0
         self._in_band: dict[str, tuple[list[int], int]] = {}  # op -> (global ranks of its group, my slot)
 
+    def _allocate(self, dtype: torch.dtype, values: list[Optional[torch.Tensor]]) -> None:
+        """(Re)build the shard in master ``dtype`` and the gathered buffer in its compute dtype; each shard
+        parameter becomes its view of the new shard, holding ``values[i]`` (or zeros)."""
+        plan = self.plan
+        plan.dtype = dtype
+        for spec in plan.params:
+            spec.dtype = dtype
+        self.param_dtype = self.mixed_precision.compute_dtype(dtype)
+        self.reduce_dtype = self.mixed_precision.grad_reduce_dtype(dtype)
+        if self.offload is not None:
+            self.shard = self.offload.allocate(plan.shard_numel, dtype, self.device)
+        else:
+            self.shard = torch.empty(plan.shard_numel, dtype=dtype, device=self.device)
+        self.shard.zero_()  # padding stays zero forever: checksums and exports are deterministic
+        for p, (lo, hi, at), value in zip(self.shard_params, self.local_slices, values):
+            piece = self.shard.narrow(0, at, hi - lo)
+            if value is not None:
+                piece.copy_(value)
+            p.data = piece
+        # Where each shard parameter's data must stay: a conversion after shard() (model.half(), p.data = ...)
+        # moves it, and forward would silently keep computing with the flat shard (see changed_param).
+        # The storage, not the data pointer: a rank's empty piece has data_ptr 0 whatever it points into, and
+        # the verdict must be the same on every rank (one rank raising alone would leave the others waiting).
+        self._param_homes = [_home(p) for p in self.shard_params]
+
+        # With one rank per shard group, no cast and no offload, the "gathered" buffer *is* the shard:
+        # nothing to communicate and nothing to free (no_shard / DDP).
+        self.aliases_shard = self.groups.shard_size == 1 and self.param_dtype == dtype and self.offload is None
+        if self.aliases_shard:
+            self.gathered = self.shard
+            self.state = GatherState.GATHERED
+        else:
+            self.gathered = torch.empty(plan.padded_numel, dtype=self.param_dtype, device=self.device)
+            # Collectives write through a second tensor on the same storage: it has its own version
+            # counter, so refilling the buffer in backward does not trip autograd's check that saved
+            # tensors (views of `gathered`) were not modified in place.
+            self._writer = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
+                self.gathered.untyped_storage(), 0, (plan.padded_numel,), (1,)
+            )
+            self.gathered.untyped_storage().resize_(0)
+            self.state = GatherState.SHARDED
+
+    def converted_dtype(self) -> Optional[torch.dtype]:
+        """The floating dtype every shard parameter was converted to after shard() by ``model.to(dtype)``,
+        ``.double()``, ``.half()`` (same device, same shape, new storage), or None if that is not what
+        happened. Rank-independent: dtype, device and shape are the same on every rank."""
+        dtypes = {p.dtype for p in self.shard_params}
+        if len(dtypes) != 1:
+            return None
+        (dtype,) = dtypes
+        if dtype == self.plan.dtype or not dtype.is_floating_point or not self.plan.dtype.is_floating_point:
+            return None
+        for p, (lo, hi, _) in zip(self.shard_params, self.local_slices):
+            if p.device != self.shard.device or tuple(p.shape) != (hi - lo,):
+                return None
+        return dtype
+
+    def adopt_conversion(self, dtype: torch.dtype) -> None:
+        """Follow a whole-model dtype conversion made after shard() (as torch FSDP2 does): a new flat
+        shard in ``dtype`` holding the converted values, the gathered buffer in the new compute dtype.
+        Called at a step boundary (the group is sharded, no collective in flight)."""
+        assert self.aliases_shard or self.state is GatherState.SHARDED, self.state
+        values = [p.detach() for p in self.shard_params]
+        grads = [p.grad for p in self.shard_params]
+        self._allocate(dtype, values)
+        for p, g in zip(self.shard_params, grads):
+            p.grad = None if g is None else g.to(dtype)
+        if self._unsynced_grad is not None:
+            self._unsynced_grad = self._unsynced_grad.to(self.reduce_dtype)
+        if self.checker is not None:
+            self.attach_checker(self.checker, *self.ids)
+
     def attach_checker(self, checker: CollectiveChecker, unit_index: int, group_index: int) -> None:
         """Fingerprint every collective of this group from now on (see consistency.py). The fingerprint
         rides in band wherever the collective is a gloo all-reduce: a sum that can carry it and that the
         CPU reads back anyway (under NCCL reading it back would stall the CPU on the GPU)."""
         self.checker, self.ids = checker, (unit_index, group_index)
+        self.header_numel = self.replica_header_numel = 0
+        self._in_band.clear()
         shard, replicate = self.groups.shard, self.groups.replicate
         if not carries_digits(self.param_dtype):
             return  # bool / int8 cannot hold the digits 0-255 exactly under a sum: the side exchange checks
-        if shard is not None and collectives.gathers_by_all_reduce(shard):
+        if shard is not None and collectives.gathers_by_all_reduce(shard, self.device):
             slots = (dist.get_process_group_ranks(shard), self.groups.shard_rank)
             self._in_band["all_gather"] = self._in_band["reduce_scatter"] = slots
             self.header_numel = len(slots[0]) * SLOT
             self._writer = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
                 self.gathered.untyped_storage(), 0, (self.plan.padded_numel + self.header_numel,), (1,)
             )
-        if replicate is not None and dist.get_backend(replicate) == "gloo":
+            if self.state is GatherState.SHARDED:
+                self.gathered.untyped_storage().resize_(0)  # set_ grew the storage to fit: free it again
+        if replicate is not None and backend_for(replicate, self.device) == "gloo":
             self._in_band["all_reduce"] = (dist.get_process_group_ranks(replicate), dist.get_rank(replicate))
             self.replica_header_numel = len(self._in_band["all_reduce"][0]) * SLOT
 
@@ -181,6 +235,9 @@ class FlatGroup:
 
     # ---- unshard / reshard ------------------------------------------------------------------------
     def begin_unshard(self) -> None:
+        if self.state is GatherState.FAILED:
+            raise ShardwiseError(f"{self._what('all_gather')} failed earlier and never completed; the process "
+                                 f"group is unusable from there on: restart the job")
         if self.state is not GatherState.SHARDED:
             return
         storage = self.gathered.untyped_storage()
@@ -201,12 +258,19 @@ class FlatGroup:
 
     def wait_unshard(self) -> None:
         if self.state is GatherState.GATHERING:
-            self._wait_checked(self._gather_work, "all_gather", self._gather_stamp, self._writer)
+            work, stamp = self._gather_work, self._gather_stamp
             self._gather_work = self._gather_src = self._gather_stamp = None
+            try:
+                self._wait_checked(work, "all_gather", stamp, self._writer)
+            except BaseException:
+                # A stalled or mismatched all-gather may still write into the buffer: never free it, and
+                # never wait on it a second time (a failed forward's always-called exit reshards).
+                self.state = GatherState.GATHERED if work is None or work.is_completed() else GatherState.FAILED
+                raise
             self.state = GatherState.GATHERED
 
     def reshard(self) -> None:
-        if self.aliases_shard or self.state is GatherState.SHARDED:
+        if self.aliases_shard or self.state in (GatherState.SHARDED, GatherState.FAILED):
             return
         self.wait_unshard()  # never free memory a collective is still writing into
         self.gathered.untyped_storage().resize_(0)
@@ -216,6 +280,14 @@ class FlatGroup:
     def reduce_grads(self, grads: Sequence[Optional[torch.Tensor]], sync: bool) -> Optional["PendingReduce"]:
         """Pack this group's unsharded gradients and start their reduce-scatter (or keep them, under no_sync)."""
         # Without a shard group the grad flat is itself what the replicas all-reduce: room for that header.
+        if not self._warned_frozen and not all(p.requires_grad for p in self.shard_params):
+            self._warned_frozen = True
+            frozen = [s.fqn for s, p in zip(self.plan.params, self.shard_params) if not p.requires_grad]
+            warnings.warn(
+                f"shardwise: {len(frozen)} parameter(s) of unit {self.plan.unit_fqn or '<root>'!r} (first "
+                f"{frozen[0]!r}) were frozen after shard() while others in their flat group still train: they "
+                f"stay frozen and training is exact, but their zero gradients still travel in the unit's "
+                f"reduce-scatter; set requires_grad before shardwise.shard() to save that traffic", stacklevel=2)
         header = self.header_numel if self.groups.shard is not None else self.replica_header_numel
         buffer = torch.empty(self.plan.padded_numel + header, dtype=self.reduce_dtype, device=self.device)
         flat = buffer.narrow(0, 0, self.plan.padded_numel)

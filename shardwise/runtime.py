@@ -12,8 +12,8 @@ Order of events for one unit under full_shard (forward order recorded on the pre
     end of backward       wait all reduce-scatters -> grads land in .grad of the shard parameters
 
 [Note: gathered parameters are autograd outputs] Module parameters during forward are the outputs of
-``UnshardParams``, whose inputs are the shard parameters. Autograd therefore calls its backward exactly
-once per forward, after the last use of any of the unit's parameters, handing over all of their gradients
+``UnshardParams`` (one per flat group, its autograd input an empty anchor leaf). Autograd therefore calls
+its backward exactly once per forward, after the last use of any of the group's parameters, handing over all of their gradients
 together: that is the post-backward hook, with no per-parameter hooks and no guessing. It is also how a
 backward is noticed from inside autograd whatever the model returns (a dataclass, a custom object): the
 first ``UnshardParams.backward`` of a pass queues the end-of-backward callback if no output hook did.
@@ -46,6 +46,7 @@ from typing import Optional
 
 import torch
 
+from shardwise import watchdog
 from shardwise.errors import ShardwiseError
 from shardwise.flat_buffer import FlatGroup, PendingReduce
 from shardwise.mixed_precision import MixedPrecision, cast_floating
@@ -78,14 +79,19 @@ class BackwardTicket:
 
 
 class UnshardParams(torch.autograd.Function):
-    """Identity from shard parameters to full-shape views of the gathered buffer; see the Note above."""
+    """Identity from a unit's shards to full-shape views of the gathered buffer; see the Note above.
+
+    Its one autograd input is the group's ``grad_anchor`` (an empty leaf), not the shard parameters: the
+    gradients reach the shards through the reduce-scatter, and an autograd edge to each shard parameter
+    would make the engine run its AccumulateGrad node (and the parameter's post-accumulate-grad hooks)
+    with no gradient, before the real one is handed out."""
 
     @staticmethod
-    def forward(ctx, group: FlatGroup, ticket: BackwardTicket, *shard_params: torch.Tensor):
+    def forward(ctx, group: FlatGroup, ticket: BackwardTicket, anchor: torch.Tensor):
         ctx.group, ctx.ticket = group, ticket
         ctx.set_materialize_grads(False)  # unused parameters arrive as None, not as zero tensors
         views = group.full_views()
-        frozen = [v for v, p in zip(views, shard_params) if not p.requires_grad]
+        frozen = [v for v, p in zip(views, group.shard_params) if not p.requires_grad]
         if frozen:  # frozen after shard(): no gradient is computed for it, none handed out
             ctx.mark_non_differentiable(*frozen)
         return tuple(views)
@@ -93,7 +99,7 @@ class UnshardParams(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: Optional[torch.Tensor]):
         ctx.ticket.unit.post_backward(ctx.group, grads, ctx.ticket)
-        return (None, None) + (None,) * len(grads)
+        return None, None, None
 
 
 class FrameKind(enum.Enum):
@@ -164,7 +170,7 @@ class Unit:
             ticket = BackwardTicket(self, sum(trainable), counted)
         views = []
         for g, rg in zip(self.groups, trainable or [False] * len(self.groups)):
-            views.append(UnshardParams.apply(g, ticket, *g.shard_params) if rg else g.full_views())
+            views.append(UnshardParams.apply(g, ticket, g.grad_anchor) if rg else g.full_views())
         return views, ticket
 
     def bind(self, views: Optional[list]) -> None:
@@ -191,9 +197,10 @@ class Unit:
         return self.backward_views is not None or any(f.views is not None for f in self.frames)
 
     def check_intact(self) -> None:
-        """Shard parameters must still be the views of the flat shard that shard() made them: a conversion
-        (``model.half()``, ``.to(dtype)``, ``.double()``, ``.to(device)``) or ``p.data = ...`` after shard()
-        would leave forward computing with the old values while the optimizer updates the new ones."""
+        """Shard parameters must still be the views of the flat shard that shard() made them. A dtype
+        conversion of whole groups (``model.half()``, ``.to(dtype)``, ``.double()``) is followed: the group
+        moves to a new flat shard. Anything else (``p.data = ...``, ``.to(device)``, a replaced parameter)
+        would leave forward computing with the old values while the optimizer updates the new ones: refused."""
         for params, name, gi, pi in self._slots:
             g = self.groups[gi]
             p = g.shard_params[pi]
@@ -204,14 +211,19 @@ class Unit:
                     f"shardwise.load_full_state_dict / shardwise.summon_full_params(writeback=True)")
         for g in self.groups:
             bad = g.changed_param()
-            if bad is not None:
-                p = g.shard_params[bad]
-                raise ShardwiseError(
-                    f"parameter {g.plan.params[bad].fqn!r} of unit {self.label!r} was converted after "
-                    f"shardwise.shard() (now {p.dtype} on {p.device}, its shard is {g.plan.dtype} on "
-                    f"{g.shard.device}): model.to(dtype), .half(), .double(), .to(device) and assigning p.data "
-                    f"are not supported on a sharded model; convert before shard(), or compute in another "
-                    f"dtype with shard(..., mixed_precision=shardwise.MixedPrecision(param_dtype=...))")
+            if bad is None:
+                continue
+            dtype = g.converted_dtype()
+            if dtype is not None:
+                g.adopt_conversion(dtype)  # model.to(dtype) / .double() / .half(): follow it, as FSDP2 does
+                continue
+            p = g.shard_params[bad]
+            raise ShardwiseError(
+                f"parameter {g.plan.params[bad].fqn!r} of unit {self.label!r} was changed after "
+                f"shardwise.shard() (now {p.dtype}, shape {tuple(p.shape)} on {p.device}; its shard is "
+                f"{g.plan.dtype} on {g.shard.device}): assigning p.data, converting only some parameters and "
+                f".to(device) are not supported on a sharded model; do them before shard(), load values with "
+                f"shardwise.load_full_state_dict or shardwise.summon_full_params(writeback=True)")
 
     # ---- entries (see [Note: entries]) --------------------------------------------------------------
     def pre_forward(self, module, args, kwargs):
@@ -235,8 +247,8 @@ class Unit:
                 self.frames.append(Frame(FrameKind.PASS, frame.outer_exc))  # for the always-called exit
                 raise
         self.frames.append(frame)  # before anything else can fail: the always-called exit pops it
-        if not self.params_bound():
-            self.check_intact()
+        if not self.params_bound() and m.phase is not Phase.FORWARD:
+            self.check_intact()  # inside the root's forward, settle() checked every unit already
         if in_backward:
             m.begin_backward()
             self.unshard(wait=True)
@@ -281,15 +293,21 @@ class Unit:
         if failed:
             if not self.params_bound() and self.owed_backwards == 0:
                 self.reshard()
-        elif torch.is_grad_enabled() and (frame.ticket is not None or frame.hooked):
-            self.owed_backwards += 1
+        elif torch.is_grad_enabled():
+            if frame.ticket is not None or frame.hooked:
+                self.owed_backwards += 1  # backward_done will say when this forward's backward is over
+            # Outputs that need a gradient: the unit's backward will run (a frozen unit too, when gradients
+            # pass through it or through units inside it, e.g. a frozen root around trainable blocks).
             hooked = self._hook_outputs(output)
-            # An output autograd could reach without our hook would need the parameters in backward
-            # before we knew: keep them gathered until this unit's backward is done.
-            if self.reshard_after_forward and hooked and not self.params_bound():
-                self.reshard()
+            if hooked:
+                if self.reshard_after_forward and not self.params_bound():
+                    self.reshard()  # the pre-backward hook gathers it again
+            elif frame.ticket is None and not self.params_bound() and self.owed_backwards == 0:
+                self.reshard()  # no gradient can reach it: nothing needs these parameters this step
+            # else: an output autograd reaches without our hook (not found inside the output object)
+            # would need the parameters before we knew: keep them gathered until the backward is done.
         elif not self.params_bound() and self.owed_backwards == 0:
-            self.reshard()  # nothing will need these parameters again this step
+            self.reshard()  # inference: nothing will need these parameters again this step
         if frame.top_level:
             if failed:
                 m.abandon_forward()
@@ -396,6 +414,7 @@ class ModelRuntime:
         """A top-level forward of the root starts a step."""
         self.settle()
         self.step += 1
+        watchdog.note_step()  # "outside shardwise since step N" in a stall report
         for fn in self.before_forward:
             fn()
         self.phase = Phase.FORWARD
@@ -433,7 +452,10 @@ class ModelRuntime:
             if not u.frames:
                 u.owed_backwards = 0
                 u.drop_backward_views()
-                u.reshard()
+                try:
+                    u.reshard()
+                except ShardwiseError:
+                    pass  # a prefetch that cannot finish (the process group failed): the forward's error says why
 
     def previous_in_forward(self, unit: Unit) -> Optional[Unit]:
         if not self.prefetch:
@@ -476,11 +498,15 @@ class ModelRuntime:
         self.phase = Phase.IDLE
 
     def settle(self) -> None:
-        """Between steps: recover if the last forward or backward raised (see [Note: recovery])."""
+        """Between steps: recover if the last forward or backward raised (see [Note: recovery]); follow a
+        dtype conversion of the model, refuse other changes to its parameters (Unit.check_intact)."""
         stale = self.phase is Phase.BACKWARD or any(
             u.backward_views is not None or any(f.kind is not FrameKind.SUMMON for f in u.frames) for u in self.units)
         if stale:
             self.recover()
+        for u in self.units:
+            if not u.params_bound():  # (bound: inside summon_full_params)
+                u.check_intact()
 
     def recover(self) -> None:
         while self._pending:
@@ -511,6 +537,9 @@ class ModelRuntime:
             for g in u.groups:
                 if not g.aliases_shard and g.state.value != "sharded":
                     problems.append(f"unit {u.label!r} ({g.plan.dtype}) is still {g.state.value}")
+                elif not g.aliases_shard and g.gathered.untyped_storage().nbytes():
+                    problems.append(f"unit {u.label!r} ({g.plan.dtype}) is sharded but holds "
+                                    f"{g.gathered.untyped_storage().nbytes()} bytes of gathered storage")
                 if self.require_grad_sync and g.has_unsynced_grad():
                     problems.append(f"unit {u.label!r} ({g.plan.dtype}) holds an unreduced gradient")
                 bad = g.changed_param()

@@ -191,6 +191,7 @@ def parity_check(initial: nn.Module, loss_step: Callable, batches: Sequence, ran
 
     ref = copy.deepcopy(initial)
     model = shardwise.shard(copy.deepcopy(initial), **shard_kwargs)
+    assert_engine_clean(model, "right after shard()")  # nothing gathered before the first forward
     ref_opt, opt = make_optimizer(optimizer, ref.parameters()), make_optimizer(optimizer, model.parameters())
     loss_err, param_err = 0.0, ("", 0.0)
     for step, batch in enumerate(batches):
