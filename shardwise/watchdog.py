@@ -105,6 +105,7 @@ class _State:
         self.abort: Optional[tuple[int, str]] = None  # (wid, report): that wait raises the report
         self.started = False
         self.off = False
+        self.stalled: Optional[str] = None  # the wait that raised a stall: every later unfinished wait fails at once
 
 
 _state = _State()
@@ -167,6 +168,10 @@ def wait(work, what: What, timeout: Optional[timedelta] = None, blocking: bool =
     s.blocking = blocking
     s.what = what
     try:
+        if s.stalled is not None and blocking and not work.is_completed():
+            # After a stall the process group is unusable: waiting again would only stall (and report) again.
+            raise ShardwiseError(f"rank {_rank()}: not waiting in {_text(what)}: an earlier wait ({s.stalled}) "
+                                 f"stalled and the process group is unusable from there on")
         if not blocking or s.off:
             work.wait() if timeout is None else work.wait(timeout)
             return
@@ -180,12 +185,15 @@ def wait(work, what: What, timeout: Optional[timedelta] = None, blocking: bool =
                 return
             except RuntimeError:
                 if work.is_completed():
-                    work.wait()  # it failed (or finished just now): its own error, or nothing
+                    try:
+                        work.wait()  # it failed (or finished just now): its own error, or nothing
+                    except RuntimeError:
+                        # A peer that gave up on this stall and exited closes the connection: the report of
+                        # where every rank was says more than "connection closed", if one is coming.
+                        _raise_stall(s, wid, what, linger_s=2.0)
+                        raise
                     return
-                abort = s.abort
-                if abort is not None and abort[0] == wid:
-                    raise ShardwiseError(f"rank {_rank()}: stopped waiting in {_text(what)} after "
-                                         f"{time.monotonic() - s.since:.1f} s. {abort[1]}") from None
+                _raise_stall(s, wid, what, linger_s=0.0)
                 if not _wake.is_set():
                     thr = threshold()[0]
                     if thr is not None and time.monotonic() - max(s.since, s.reported) > thr:
@@ -196,6 +204,22 @@ def wait(work, what: What, timeout: Optional[timedelta] = None, blocking: bool =
         s.what = None
         s.last_what = what
         s.left = time.monotonic()
+
+
+def _raise_stall(s: _State, wid: int, what: What, linger_s: float) -> None:
+    """Raise the stall report for wait ``wid`` if the watchdog has one; wait up to ``linger_s`` for it when
+    this wait is past the threshold (the report is being gathered)."""
+    thr = threshold()[0]
+    deadline = time.monotonic() + (linger_s if thr is not None and time.monotonic() - s.since > thr else 0.0)
+    while True:
+        abort = s.abort
+        if abort is not None and abort[0] == wid:
+            s.stalled = _text(what)
+            raise ShardwiseError(f"rank {_rank()}: stopped waiting in {_text(what)} after "
+                                 f"{time.monotonic() - s.since:.1f} s. {abort[1]}") from None
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
 
 
 def _rank() -> int:
