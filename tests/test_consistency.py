@@ -54,6 +54,15 @@ def _diverge(rank: int, world: int, scenario: str, variant: str = "fp32", ahead:
         for b in blocks:
             h = b(h)
         h.sum().backward()
+    elif scenario in ("clip_alone", "full_state_dict_alone"):
+        model(x, x).loss.backward()
+        if rank == 0:
+            if scenario == "clip_alone":
+                shardwise.clip_grad_norm_(model, 1.0)
+            else:
+                shardwise.full_state_dict(model)
+        opt.step()
+        model(x, x).loss.backward()
     elif scenario == "rank_dies":
         if rank == 1:
             os._exit(3)
@@ -83,6 +92,24 @@ def test_a_rank_that_runs_ahead_makes_every_rank_fail_naming_unit_and_ranks(scen
     assert len(errors) == 2, results
     for e in errors:
         _assert_names_both_sides(e, ahead=0, behind=1)
+
+
+@pytest.mark.parametrize("scenario,op", [("clip_alone", "clip_grad_norm"), ("full_state_dict_alone", "state_dict")])
+@pytest.mark.parametrize("variant", ["fp32", "native"])
+def test_a_collective_outside_the_unit_schedule_called_by_one_rank_fails_on_every_rank(scenario, op, variant):
+    """Rank 0 alone calls clip_grad_norm_ / full_state_dict, then both ranks go on training. Every rank
+    raises ShardwiseError naming the operation: at once where the others' next collective is fingerprinted
+    out of band (the fingerprints differ), through the stall watchdog where it rides in band (rank 0 waits in
+    the consistency exchange that the others never join). Never gloo's own abort on mismatched sizes."""
+    env = {"SHARDWISE_STALL_S": "3"}
+    if variant == "native":
+        env["SHARDWISE_GLOO_NATIVE_COLLECTIVES"] = "1"
+    start = time.monotonic()
+    results = run_distributed(_diverge, 2, scenario, variant, timeout_s=60, env=env, allow_errors=True)
+    assert time.monotonic() - start < 50, results
+    assert len(_errors(results)) == 2, results
+    for e in results:
+        assert "ShardwiseError" in e and op in e, e
 
 
 def test_in_a_hybrid_mesh_the_disagreeing_shard_group_names_global_ranks():

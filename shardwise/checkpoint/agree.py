@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from shardwise.collectives import broadcast_text
+from shardwise.consistency import check_collective
+from shardwise.device import communication_device
 from shardwise.errors import ShardwiseError
 
 T = TypeVar("T")
@@ -38,9 +40,7 @@ def world_size() -> int:
 
 def comm_device() -> torch.device:
     """Where the small tensors of these collectives live: NCCL only moves CUDA tensors."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return communication_device()
 
 
 def raise_if_any(problem: Optional[str]) -> None:
@@ -49,6 +49,7 @@ def raise_if_any(problem: Optional[str]) -> None:
         if problem:
             raise ShardwiseError(problem)
         return
+    check_collective("checkpoint", 1)  # a rank here alone fails by name, not in a mismatched collective
     me, n = dist.get_rank(), dist.get_world_size()
     device = comm_device()
     flag = torch.tensor([me if problem else n], dtype=torch.int64, device=device)
@@ -96,6 +97,7 @@ def gather_json(obj: Any, dst: int = 0) -> Optional[list[Any]]:
     data = json.dumps(obj, allow_nan=True).encode("utf-8")
     if not is_distributed():
         return [json.loads(data)]
+    check_collective("checkpoint", 2)
     n, device = dist.get_world_size(), comm_device()
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
@@ -116,6 +118,7 @@ def gather_json(obj: Any, dst: int = 0) -> Optional[list[Any]]:
 def broadcast_json(obj: Any, src: int = 0) -> Any:
     if not is_distributed():
         return obj
+    check_collective("checkpoint", 3)
     text = broadcast_text(json.dumps(obj, allow_nan=True) if dist.get_rank() == src else None, src=src,
                           device=comm_device())
     return json.loads(text)

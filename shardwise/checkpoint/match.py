@@ -162,7 +162,7 @@ def _kind_problem(saved: Any, current: Any) -> Optional[str]:
     if isinstance(saved, torch.Tensor):
         saved = saved.item() if saved.dim() == 0 else saved
     if current is None or isinstance(current, bool):
-        return None if saved is None or isinstance(saved, bool) else f"expected true, false or null like the optimizer's"
+        return None if saved is None or isinstance(saved, bool) else "expected true, false or null like the optimizer's"
     if isinstance(current, (int, float)):
         if isinstance(saved, bool) or not isinstance(saved, (int, float)):
             return "expected a number like the optimizer's"

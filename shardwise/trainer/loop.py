@@ -30,6 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import shardwise
 from shardwise.api import runtime_of
+from shardwise.device import compute_device
 from shardwise.trainer import config as config_mod
 from shardwise.trainer import failures, launch, metrics, plot, preflight, schedule, state
 from shardwise.trainer.config import TrainConfig
@@ -107,7 +108,7 @@ def check_model_fits_data(cfg: TrainConfig, spec: ModelSpec, max_token: int) -> 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train on this rank (the process group is up). Returns a summary (rank 0's is complete)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = compute_device(())  # the current GPU when the world moves CUDA tensors over NCCL, else the CPU
     spec = resolve_model(cfg.model)
     seed_everything(cfg.seed)
     os.makedirs(cfg.out, exist_ok=True)

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardwise.models.gpt import GPT, PRESETS, Block, GPTConfig
+from shardwise.hf_init import hf_param_init_fn
 from shardwise.trainer import hf_model
 
 # Hugging Face models above this many parameters are built on the meta device and materialised shard by
@@ -44,7 +45,7 @@ class ModelSpec:
 
     def param_init_fn(self, model: nn.Module, device: torch.device) -> Optional[Callable[[nn.Module], None]]:
         """What ``shard`` calls per module of a meta-built model (None: the modules' reset_parameters)."""
-        return None if self.kind == "gpt" else hf_model.make_param_init_fn(model, device)
+        return None if self.kind == "gpt" else hf_param_init_fn(model, device)
 
     def default_block_classes(self, model: nn.Module) -> set[type]:
         """The transformer block class(es): GPT's Block, or the HF model's ``_no_split_modules``."""
