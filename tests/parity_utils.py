@@ -192,6 +192,16 @@ def parity_check(initial: nn.Module, loss_step: Callable, batches: Sequence, ran
     ref = copy.deepcopy(initial)
     model = shardwise.shard(copy.deepcopy(initial), **shard_kwargs)
     assert_engine_clean(model, "right after shard()")  # nothing gathered before the first forward
+    return train_pair(model, ref, loss_step, batches, rank, world_size, optimizer=optimizer,
+                      unsettled_steps=unsettled_steps), model, ref
+
+
+def train_pair(model: nn.Module, ref: nn.Module, loss_step: Callable, batches: Sequence, rank: int,
+               world_size: int, *, optimizer: str = "sgd", unsettled_steps: Sequence[int] = ()) -> dict:
+    """``parity_check``'s loop for a sharded ``model`` and its unsharded reference ``ref`` built by the
+    caller (a meta-built model, one used before training). Returns the metrics ``assert_parity`` reads."""
+    import shardwise
+
     ref_opt, opt = make_optimizer(optimizer, ref.parameters()), make_optimizer(optimizer, model.parameters())
     loss_err, param_err = 0.0, ("", 0.0)
     for step, batch in enumerate(batches):
@@ -209,7 +219,7 @@ def parity_check(initial: nn.Module, loss_step: Callable, batches: Sequence, ran
             param_err = (f"step {step}: {name}", err)
     sd = shardwise.full_state_dict(model)
     final = worst(state_errors(sd, ref.state_dict())) if rank == 0 else None
-    return {"loss": loss_err, "param": param_err, "final": final}, model, ref
+    return {"loss": loss_err, "param": param_err, "final": final}
 
 
 def assert_engine_clean(model: nn.Module, when: str = "after backward") -> None:

@@ -84,23 +84,7 @@ def _check_params_readable(model: nn.Module) -> None:
 def _train_pair(model: nn.Module, ref: nn.Module, loss_step, batches, rank: int, ws: int,
                 optimizer: str = "sgd") -> dict:
     """parity_check's loop for a model that is already sharded (meta-built, or used before training)."""
-    opt, ref_opt = make_optimizer(optimizer, model.parameters()), make_optimizer(optimizer, ref.parameters())
-    loss_err, param_err = 0.0, ("", 0.0)
-    for step, batch in enumerate(batches):
-        ref_loss = loss_step(ref, batch, step, lambda t: t)
-        loss = loss_step(model, batch, step, lambda t: local_slice(t, rank, ws))
-        _engine_clean(model)
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        opt.zero_grad(set_to_none=True)
-        loss_err = max(loss_err, scalar_rel_err(global_mean(loss), ref_loss.item()))
-        name, err = worst(sharded_param_errors(model, ref))
-        if err >= param_err[1]:
-            param_err = (f"step {step}: {name}", err)
-    sd = shardwise.full_state_dict(model)
-    final = worst(pu.state_errors(sd, ref.state_dict())) if rank == 0 else None
-    return {"loss": loss_err, "param": param_err, "final": final}
+    return pu.train_pair(model, ref, loss_step, batches, rank, ws, optimizer=optimizer)
 
 
 def _hf_step(model, batch, step, take):
