@@ -23,7 +23,10 @@ from shardwise.device import communication_device
 from shardwise.errors import ShardwiseError
 
 T = TypeVar("T")
-DEBUG_ENV = "SHARDWISE_DEBUG"  # the switch behind the CLI's --debug: tracebacks instead of one line
+DEBUG_ENV = "SHARDWISE_DEBUG"
+# Which agreement collective comes next, in the fingerprint's size field (consistency.check_collective): a
+# rank raising while another gathers JSON fails by name instead of pairing two different collectives.
+_RAISE_IF_ANY, _GATHER_JSON, _BROADCAST_JSON = 1, 2, 3  # the switch behind the CLI's --debug: tracebacks instead of one line
 
 
 def is_distributed() -> bool:
@@ -49,7 +52,7 @@ def raise_if_any(problem: Optional[str]) -> None:
         if problem:
             raise ShardwiseError(problem)
         return
-    check_collective("checkpoint", 1)  # a rank here alone fails by name, not in a mismatched collective
+    check_collective("checkpoint", _RAISE_IF_ANY)  # a rank here alone fails by name, not in a mismatched collective
     me, n = dist.get_rank(), dist.get_world_size()
     device = comm_device()
     flag = torch.tensor([me if problem else n], dtype=torch.int64, device=device)
@@ -97,7 +100,7 @@ def gather_json(obj: Any, dst: int = 0) -> Optional[list[Any]]:
     data = json.dumps(obj, allow_nan=True).encode("utf-8")
     if not is_distributed():
         return [json.loads(data)]
-    check_collective("checkpoint", 2)
+    check_collective("checkpoint", _GATHER_JSON)
     n, device = dist.get_world_size(), comm_device()
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
@@ -118,7 +121,7 @@ def gather_json(obj: Any, dst: int = 0) -> Optional[list[Any]]:
 def broadcast_json(obj: Any, src: int = 0) -> Any:
     if not is_distributed():
         return obj
-    check_collective("checkpoint", 3)
+    check_collective("checkpoint", _BROADCAST_JSON)
     text = broadcast_text(json.dumps(obj, allow_nan=True) if dist.get_rank() == src else None, src=src,
                           device=comm_device())
     return json.loads(text)
