@@ -46,8 +46,11 @@ def shard(
         units: what becomes a unit (one all-gather / reduce-scatter each): a set of module classes, a
             callable ``(module) -> bool``, or ``"auto"`` (Hugging Face ``_no_split_modules``, else the
             children of the largest ``nn.ModuleList``). Parameters outside every unit form the root unit.
-        strategy: full_shard (ZeRO-3), shard_grad_op (ZeRO-2), no_shard (DDP), hybrid_shard,
-            hybrid_shard_zero2; FSDP1's upper-case names are accepted.
+        strategy: full_shard (ZeRO-3), shard_grad_op (FSDP's ZeRO-2: parameters gathered once per step),
+            shard_optim_grad (DeepSpeed's ZeRO-2: full parameters kept across steps, gradients and optimizer
+            state sharded), shard_optim (ZeRO-1: only optimizer state and masters sharded), no_shard (DDP),
+            hybrid_shard, hybrid_shard_zero2; aliases zero1/zero2/zero3/ddp and FSDP1's upper-case names
+            are accepted (see strategy.py for what each keeps and sends).
         mesh: a 1-D ``DeviceMesh``, or 2-D ``("replicate", "shard")`` for the hybrid strategies.
         mixed_precision: gather/compute dtype and gradient-reduction dtype; masters stay in their dtype.
         offload: ``CPUOffload()`` keeps shards, gradients and the optimizer step on the CPU.
@@ -77,7 +80,9 @@ def shard(
     is_meta = any(p.is_meta for p in model.parameters())
     plan = build_plan(model, units, groups.shard_size)
     state_dict_keys = list(model.state_dict(keep_vars=True).keys())
-    flat_groups = {id(gp): FlatGroup(gp, groups, compute_device, mp, offload) for gp in plan.groups()}
+    flat_groups = {id(gp): FlatGroup(gp, groups, compute_device, mp, offload, keep_gathered=strategy.keeps_params_gathered,
+                                     all_reduce_grads=strategy.all_reduces_grads)
+                   for gp in plan.groups()}
     all_groups = list(flat_groups.values())
 
     if sync_module_states:

@@ -8,7 +8,9 @@ Buffer lifetimes (N = shard group size, P = padded numel of the group)::
     gathered   P elements, compute dtype. Allocated by unshard (storage resized up), filled by one
                all-gather, freed by reshard (storage resized to 0). Module parameters are views of it
                (no copy-out). The storage object itself survives, so tensors autograd saved in forward
-               point at valid memory again once backward re-gathers into it.
+               point at valid memory again once backward re-gathers into it. ZeRO-1/2
+               (``keep_gathered``): never freed; refilled by the first unshard after the shard changed
+               (an optimizer step, a synced backward, a load: see ``refresh_due``).
     grad flat  P elements, reduce dtype. Packed from the unit's gradients in backward, consumed by one
                reduce-scatter, freed when that finishes.
     header     N x consistency.SLOT elements after ``gathered`` and ``grad flat`` (and R x SLOT after
@@ -16,12 +18,15 @@ Buffer lifetimes (N = shard group size, P = padded numel of the group)::
                gloo all-reduce and the consistency check is on: every rank's fingerprint of the
                collective, carried in band (see consistency.py).
     grad shard P/N elements. The reduce-scatter output; each parameter's ``.grad`` is a view of it.
+               ZeRO-1 (``all_reduce_grads``): the whole all-reduced gradient (P) stays alive behind these
+               views, as ZeRO-1 keeps full gradients, until the ``.grad`` are dropped.
 """
 
 from __future__ import annotations
 
 import enum
 import warnings
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -53,8 +58,12 @@ class FlatGroup:
         device: torch.device,
         mixed_precision: MixedPrecision,
         offload: Optional[CPUOffload],
+        keep_gathered: bool = False,
+        all_reduce_grads: bool = False,
     ):
         self.plan = plan
+        self.wants_kept_gathered = keep_gathered  # ZeRO-1/2: see strategy.Strategy.keeps_params_gathered
+        self.all_reduce_grads = all_reduce_grads and groups.shard is not None  # ZeRO-1
         self.groups = groups
         self.device = device
         self.offload = offload
@@ -81,6 +90,7 @@ class FlatGroup:
         # grad flat for the shard group's collectives, after the grad shard for the replica all-reduce.
         self.header_numel = 0
         self.replica_header_numel = 0
+        self.grad_header_numel = 0  # room after the grad flat: for its reduce-scatter, or the all-reduce
         self._in_band: dict[str, tuple[list[int], int]] = {}  # op -> (global ranks of its group, my slot)
 
     def _allocate(self, dtype: torch.dtype, values: list[Optional[torch.Tensor]]) -> None:
@@ -124,6 +134,23 @@ class FlatGroup:
             )
             self.gathered.untyped_storage().resize_(0)
             self.state = GatherState.SHARDED
+        # ZeRO-1/2 keep the gathered buffer across steps (nothing to keep when it is the shard itself).
+        self.keep_gathered = self.wants_kept_gathered and not self.aliases_shard
+        self.refresh_due = True  # the gathered buffer does not hold the shard's current values
+        self._gathered_from: Optional[tuple] = None  # the shard's versions when it was last gathered
+        if self.keep_gathered:
+            _KEPT_GATHERED.add(self)
+            _refresh_after_optimizer_steps()
+
+    def shard_version(self) -> tuple:
+        """Changes whenever the shard is written in place (optimizer step, load, user code under no_grad)."""
+        return (version_counter(self.shard),) + tuple(version_counter(p) for p in self.shard_params)
+
+    def gathered_is_current(self) -> bool:
+        """ZeRO-1/2: whether the kept gathered buffer still holds the shard's values. ``refresh_due`` is the
+        rank-consistent signal (a synced backward, an optimizer step, a load: all ranks see them alike);
+        the version counters also catch in-place writes by user code between steps."""
+        return not self.refresh_due and self._gathered_from == self.shard_version()
 
     def converted_dtype(self) -> Optional[torch.dtype]:
         """The floating dtype every shard parameter was converted to after shard() by ``model.to(dtype)``,
@@ -143,8 +170,9 @@ class FlatGroup:
     def adopt_conversion(self, dtype: torch.dtype) -> None:
         """Follow a whole-model dtype conversion made after shard() (as torch FSDP2 does): a new flat
         shard in ``dtype`` holding the converted values, the gathered buffer in the new compute dtype.
-        Called at a step boundary (the group is sharded, no collective in flight)."""
-        assert self.aliases_shard or self.state is GatherState.SHARDED, self.state
+        Called at a step boundary (the group is sharded, or kept gathered, with no collective in flight)."""
+        assert self.aliases_shard or self.state is GatherState.SHARDED or (
+            self.keep_gathered and self.state is GatherState.GATHERED), self.state
         values = [p.detach() for p in self.shard_params]
         grads = [p.grad for p in self.shard_params]
         self._allocate(dtype, values)
@@ -160,7 +188,7 @@ class FlatGroup:
         rides in band wherever the collective is a gloo all-reduce: a sum that can carry it and that the
         CPU reads back anyway (under NCCL reading it back would stall the CPU on the GPU)."""
         self.checker, self.ids = checker, (unit_index, group_index)
-        self.header_numel = self.replica_header_numel = 0
+        self.header_numel = self.replica_header_numel = self.grad_header_numel = 0
         self._in_band.clear()
         shard, replicate = self.groups.shard, self.groups.replicate
         if not carries_digits(self.param_dtype):
@@ -177,6 +205,14 @@ class FlatGroup:
         if replicate is not None and backend_for(replicate, self.device) == "gloo":
             self._in_band["all_reduce"] = (dist.get_process_group_ranks(replicate), dist.get_rank(replicate))
             self.replica_header_numel = len(self._in_band["all_reduce"][0]) * SLOT
+        if self.all_reduce_grads and backend_for(shard, self.device) == "gloo":
+            # ZeRO-1's gradient all-reduce runs over the shard group (no replicas): a gloo all-reduce always.
+            self._in_band["all_reduce"] = (dist.get_process_group_ranks(shard), self.groups.shard_rank)
+            self.grad_header_numel = len(self._in_band["all_reduce"][0]) * SLOT
+        elif shard is None:
+            self.grad_header_numel = self.replica_header_numel
+        else:
+            self.grad_header_numel = self.header_numel
 
     def _announce(self, op: str, numel: int, dtype: torch.dtype) -> Optional[Stamp]:
         """Fingerprint the collective about to be issued: returns the header it must carry in band, or
@@ -238,6 +274,8 @@ class FlatGroup:
         if self.state is GatherState.FAILED:
             raise ShardwiseError(f"{self._what('all_gather')} failed earlier and never completed; the process "
                                  f"group is unusable from there on: restart the job")
+        if self.state is GatherState.GATHERED and self.keep_gathered and not self.gathered_is_current():
+            self.state = GatherState.SHARDED  # ZeRO-1/2 after a step: refill the kept buffer
         if self.state is not GatherState.SHARDED:
             return
         storage = self.gathered.untyped_storage()
@@ -255,6 +293,7 @@ class FlatGroup:
                 self._writer, src, self.groups.shard, async_op=True, header=stamp.header if stamp else None)
             self._gather_src, self._gather_stamp = src, stamp
         self.state = GatherState.GATHERING
+        self.refresh_due, self._gathered_from = False, self.shard_version()
 
     def wait_unshard(self) -> None:
         if self.state is GatherState.GATHERING:
@@ -273,13 +312,14 @@ class FlatGroup:
         if self.aliases_shard or self.state in (GatherState.SHARDED, GatherState.FAILED):
             return
         self.wait_unshard()  # never free memory a collective is still writing into
+        if self.keep_gathered:
+            return  # ZeRO-1/2: kept until the next step's first unshard refills it
         self.gathered.untyped_storage().resize_(0)
         self.state = GatherState.SHARDED
 
     # ---- gradients --------------------------------------------------------------------------------
     def reduce_grads(self, grads: Sequence[Optional[torch.Tensor]], sync: bool) -> Optional["PendingReduce"]:
         """Pack this group's unsharded gradients and start their reduce-scatter (or keep them, under no_sync)."""
-        # Without a shard group the grad flat is itself what the replicas all-reduce: room for that header.
         if not self._warned_frozen and not all(p.requires_grad for p in self.shard_params):
             self._warned_frozen = True
             frozen = [s.fqn for s, p in zip(self.plan.params, self.shard_params) if not p.requires_grad]
@@ -288,8 +328,8 @@ class FlatGroup:
                 f"{frozen[0]!r}) were frozen after shard() while others in their flat group still train: they "
                 f"stay frozen and training is exact, but their zero gradients still travel in the unit's "
                 f"reduce-scatter; set requires_grad before shardwise.shard() to save that traffic", stacklevel=2)
-        header = self.header_numel if self.groups.shard is not None else self.replica_header_numel
-        buffer = torch.empty(self.plan.padded_numel + header, dtype=self.reduce_dtype, device=self.device)
+        # Without a shard group the grad flat is itself what the replicas all-reduce: room for that header.
+        buffer = torch.empty(self.plan.padded_numel + self.grad_header_numel, dtype=self.reduce_dtype, device=self.device)
         flat = buffer.narrow(0, 0, self.plan.padded_numel)
         for spec, g in zip(self.plan.params, grads):
             dst = flat.narrow(0, spec.offset, spec.numel)
@@ -312,6 +352,13 @@ class FlatGroup:
             flat.div_(dp)
         if self.groups.shard is None:
             return PendingReduce(self, None, buffer, self.plan.padded_numel, None, divide_by=1 if pre_divide else dp)
+        if self.all_reduce_grads:
+            # ZeRO-1: every rank gets the whole summed gradient; its grad shard is a view of its chunk.
+            stamp = self._announce("all_reduce", self.plan.padded_numel, self.reduce_dtype)
+            work = collectives.all_reduce_sum(buffer, self.groups.shard, async_op=True,
+                                              header=stamp.header if stamp else None)
+            return PendingReduce(self, buffer, buffer, self.plan.shard_numel, work, divide_by=1 if pre_divide else dp,
+                                 stamp=stamp, op="all_reduce", out_offset=self.shard_start)
         out_buffer = torch.empty(self.plan.shard_numel + self.replica_header_numel, dtype=self.reduce_dtype,
                                  device=self.device)
         out = out_buffer.narrow(0, 0, self.plan.shard_numel)
@@ -347,20 +394,21 @@ class PendingReduce:
     all-reduce's in-band fingerprint."""
 
     def __init__(self, group: FlatGroup, flat: Optional[torch.Tensor], out_buffer: torch.Tensor, out_numel: int,
-                 work, divide_by: int, stamp: Optional[Stamp] = None):
+                 work, divide_by: int, stamp: Optional[Stamp] = None, op: str = "reduce_scatter",
+                 out_offset: int = 0):
         self.group, self.flat, self.work, self.divide_by, self.stamp = group, flat, work, divide_by, stamp
-        self.out_buffer, self.out_numel = out_buffer, out_numel
+        self.out_buffer, self.out_numel, self.out_offset, self.op = out_buffer, out_numel, out_offset, op
 
     def finish(self, discard: bool = False) -> None:
         """Complete the reduction (every rank issued it) and hand out the gradient, or drop it (``discard``:
         the backward that produced it raised)."""
         g = self.group
-        g._wait_checked(self.work, "reduce_scatter", self.stamp, self.flat)
-        self.flat = None  # the unsharded gradient buffer dies here
+        g._wait_checked(self.work, self.op, self.stamp, self.flat)
+        self.flat = None  # the unsharded gradient buffer dies here (ZeRO-1: lives on behind the grad views)
         if discard:
             self.out_buffer = None
             return
-        out = self.out_buffer.narrow(0, 0, self.out_numel)
+        out = self.out_buffer.narrow(0, self.out_offset, self.out_numel)
         if g.groups.replicate is not None:
             stamp = g._announce("all_reduce", self.out_numel, out.dtype)
             if stamp is None:
@@ -373,6 +421,34 @@ class PendingReduce:
             out.div_(self.divide_by)
         self.group.accumulate_grad_shard(out)
         self.out_buffer = None
+
+
+# ZeRO-1/2 groups alive in this process: an optimizer step makes their gathered buffers stale.
+_KEPT_GATHERED: "weakref.WeakSet[FlatGroup]" = weakref.WeakSet()
+_refresh_hook_installed = False
+
+
+def _refresh_after_optimizer_steps() -> None:
+    """Any ``torch.optim.Optimizer`` step marks every kept gathered buffer for a refill at its next unshard.
+    All ranks step together, so the verdict is the same on every rank (a rank-local signal such as the
+    version counters alone could make one rank all-gather while another does not)."""
+    global _refresh_hook_installed
+    if _refresh_hook_installed:
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def mark_stale(optimizer, args, kwargs) -> None:
+        for g in list(_KEPT_GATHERED):
+            g.refresh_due = True
+
+    register_optimizer_step_post_hook(mark_stale)
+    _refresh_hook_installed = True
+
+
+def version_counter(t: torch.Tensor) -> int:
+    """Autograd's in-place version counter of ``t`` (bumped by every in-place op on it or a view of it).
+    Private attribute ``Tensor._version``, isolated here (checked on torch 2.11 and 2.13)."""
+    return t._version
 
 
 def _home(p: torch.Tensor) -> tuple:

@@ -70,6 +70,7 @@ def summon_full_params(module: nn.Module, writeback: bool = True) -> Iterator[No
             with torch.no_grad():
                 for g, full in fulls:
                     g.shard.copy_(full.narrow(0, g.shard_start, g.plan.shard_numel))
+                    g.refresh_due = True  # ZeRO-1/2: the kept gathered copy is refilled at the next unshard
 
 
 def register_forward_method(module: nn.Module, name: str) -> None:

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from shardwise import collectives
 from shardwise.errors import ShardwiseError
-from shardwise.flat_buffer import FlatGroup
+from shardwise.flat_buffer import FlatGroup, version_counter
 from shardwise.hf_init import hf_param_init_fn, is_hf_model
 from shardwise.plan import ParamSpec
 
@@ -67,7 +67,7 @@ def fill_from_meta(
             if b is not None and b.is_meta:
                 t = torch.empty_like(b, device=device)
                 module._buffers[n] = t
-                placeholders[n] = (t, t._version)
+                placeholders[n] = (t, version_counter(t))
         if not direct:
             if placeholders:
                 if param_init_fn is not None:
@@ -113,7 +113,7 @@ def _still_unwritten(module: nn.Module, mod_name: str, placeholders: dict) -> li
     """Names of the buffers allocated for ``module`` that no init wrote (same tensor, same version)."""
     prefix = f"{mod_name}." if mod_name else ""
     return [f"{prefix}{n} ({type(module).__name__})" for n, (t, version) in placeholders.items()
-            if module._buffers.get(n) is t and t._version == version]
+            if module._buffers.get(n) is t and version_counter(t) == version]
 
 
 def fill_group_from_rank0(

@@ -489,6 +489,10 @@ class ModelRuntime:
                     if g.has_unsynced_grad():
                         self.add_pending(g.reduce_grads([None] * len(g.plan.params), sync=True))
             self.finish_pending()
+            # ZeRO-1/2: the optimizer step that follows a synced backward changes the shards; refill the kept
+            # parameters at the next unshard (also caught by an optimizer-step hook, but not every
+            # optimizer is a torch.optim.Optimizer, and this verdict is the same on every rank).
+            self.shards_written()
         for u in self.units:
             u.owed_backwards = 0
             u.backward_views = u._backward_ticket = None
@@ -496,6 +500,13 @@ class ModelRuntime:
                 u.bind_sharded()
                 u.reshard()
         self.phase = Phase.IDLE
+
+    def shards_written(self) -> None:
+        """The shards were (or are about to be) written: gathered parameters kept across steps (ZeRO-1/2) are
+        refilled at their next unshard. Called on every rank alike (loads, end of a synced backward)."""
+        for u in self.units:
+            for g in u.groups:
+                g.refresh_due = True
 
     def settle(self) -> None:
         """Between steps: recover if the last forward or backward raised (see [Note: recovery]); follow a
@@ -535,7 +546,12 @@ class ModelRuntime:
                 if params[name] is not g.shard_params[pi]:
                     problems.append(f"{g.plan.params[pi].fqn!r} is not bound to its shard parameter")
             for g in u.groups:
-                if not g.aliases_shard and g.state.value != "sharded":
+                if g.keep_gathered:  # ZeRO-1/2: gathered (or not yet gathered), never half-way
+                    held = g.gathered.untyped_storage().nbytes()
+                    if g.state.value not in ("sharded", "gathered") or (g.state.value == "gathered") != bool(held):
+                        problems.append(f"unit {u.label!r} ({g.plan.dtype}) kept gathered is {g.state.value} "
+                                        f"with {held} bytes of gathered storage")
+                elif not g.aliases_shard and g.state.value != "sharded":
                     problems.append(f"unit {u.label!r} ({g.plan.dtype}) is still {g.state.value}")
                 elif not g.aliases_shard and g.gathered.untyped_storage().nbytes():
                     problems.append(f"unit {u.label!r} ({g.plan.dtype}) is sharded but holds "

@@ -91,6 +91,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     problem = collectives.broadcast_text(_validate(entries, state_dict) if is_rank0 else None, src=0)
     if problem:
         raise ShardwiseError(f"load_full_state_dict: {problem}")
+    rt.shards_written()
     key_of = {}
     for k, e in entries.items():
         if isinstance(e, tuple):

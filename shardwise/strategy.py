@@ -1,9 +1,22 @@
 """Sharding strategies and the process groups they communicate over.
 
-A strategy is two facts: how many ranks a parameter is split across (the *shard* group) and whether the
-gathered parameters are freed between forward and backward (``reshard_after_forward``). Replication across
-the *replicate* group (DDP-style all-reduce of the already reduce-scattered gradient shard) covers
-``no_shard`` and the hybrid strategies.
+A strategy is a few facts: how many ranks a parameter's master copy and optimizer state are split across
+(the *shard* group); whether the gathered parameters are freed between forward and backward
+(``reshard_after_forward``) or kept gathered across steps (``keeps_params_gathered``: ZeRO-1/2, refreshed
+by one all-gather after each optimizer step); and how gradients are reduced (reduce-scatter, or an
+all-reduce of the whole gradient for ZeRO-1). Replication across the *replicate* group (DDP-style
+all-reduce of the already reduce-scattered gradient shard) covers ``no_shard`` and the hybrid strategies.
+
+  strategy (alias)          parameters between steps   gradient kept   collectives per unit and step
+  full_shard (zero3)        1/N                        1/N             all-gather x2, reduce-scatter
+  shard_grad_op             1/N                        1/N             all-gather, reduce-scatter
+  shard_optim_grad (zero2)  full, compute dtype        1/N             reduce-scatter, all-gather after the step
+  shard_optim (zero1)       full, compute dtype        full            all-reduce, all-gather after the step
+  no_shard (ddp)            full                       full            all-reduce
+
+Masters and optimizer state are 1/N in every row but ``no_shard``. The ZeRO-1/2 strategies have no hybrid
+variant: their parameters are replicated on every rank already, so a hybrid layout would only shrink the
+group that shards the optimizer state.
 """
 
 from __future__ import annotations
@@ -20,7 +33,9 @@ from shardwise.errors import ShardwiseError
 
 class Strategy(enum.Enum):
     FULL_SHARD = "full_shard"  # ZeRO-3
-    SHARD_GRAD_OP = "shard_grad_op"  # ZeRO-2: parameters stay gathered from forward to backward
+    SHARD_GRAD_OP = "shard_grad_op"  # FSDP's ZeRO-2: parameters gathered every step, kept forward to backward
+    SHARD_OPTIM_GRAD = "shard_optim_grad"  # DeepSpeed's ZeRO-2: parameters stay gathered across steps
+    SHARD_OPTIM = "shard_optim"  # ZeRO-1: like shard_optim_grad, full gradients all-reduced
     NO_SHARD = "no_shard"  # DDP
     HYBRID_SHARD = "hybrid_shard"  # ZeRO-3 inside a shard group, replicated across groups
     HYBRID_SHARD_ZERO2 = "hybrid_shard_zero2"
@@ -28,6 +43,17 @@ class Strategy(enum.Enum):
     @property
     def reshard_after_forward(self) -> bool:
         return self in (Strategy.FULL_SHARD, Strategy.HYBRID_SHARD)
+
+    @property
+    def keeps_params_gathered(self) -> bool:
+        """Full parameters (compute dtype) live across steps; one all-gather refreshes them after each
+        optimizer step (ZeRO-1/2)."""
+        return self in (Strategy.SHARD_OPTIM, Strategy.SHARD_OPTIM_GRAD)
+
+    @property
+    def all_reduces_grads(self) -> bool:
+        """Gradients are all-reduced whole over the shard group and kept whole (ZeRO-1), not reduce-scattered."""
+        return self is Strategy.SHARD_OPTIM
 
     @property
     def is_hybrid(self) -> bool:
@@ -40,11 +66,17 @@ class Strategy(enum.Enum):
         if isinstance(value, str):
             # FSDP1 spells the last one ShardingStrategy._HYBRID_SHARD_ZERO2: the leading underscore is dropped.
             key = value.strip().lower().lstrip("_")
+            key = ALIASES.get(key, key)
             for s in cls:
                 if s.value == key:
                     return s
-        valid = ", ".join(s.value for s in cls)
+        valid = ", ".join([s.value for s in cls] + [f"{a} (= {v})" for a, v in ALIASES.items()])
         raise ShardwiseError(f"strategy={value!r} is not a sharding strategy; valid: {valid} (upper case accepted)")
+
+
+# The ZeRO paper's stage numbers and DDP, as users type them.
+ALIASES = {"zero1": "shard_optim", "zero2": "shard_optim_grad", "zero3": "full_shard", "ddp": "no_shard"}
+STRATEGY_NAMES = tuple(s.value for s in Strategy)
 
 
 @dataclass(frozen=True)

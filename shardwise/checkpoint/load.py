@@ -159,6 +159,7 @@ def _own_extra(manifest: dict) -> dict:
 
 
 def _read_all(manifest: dict, plan: _Plan, files: dict[str, SafetensorsFile], rt, optimizer) -> Any:
+    rt.shards_written()
     with torch.no_grad():
         for r in plan.reads:
             p = r.piece

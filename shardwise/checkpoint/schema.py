@@ -19,12 +19,13 @@ from typing import Any, Iterable, Optional
 from shardwise.checkpoint.format import _DTYPE_NAMES, FORMAT_NAME, FORMAT_VERSION, rank_file_name
 from shardwise.checkpoint.values import check_encoded
 from shardwise.errors import ShardwiseError
+from shardwise.strategy import STRATEGY_NAMES
 
 MAX_WORLD_SIZE = 2**20
 MAX_DIMS = 16
 MAX_NUMEL = 2**62  # a bound on the arithmetic only; what a file really holds is bounded by verify.py
 MAX_FILE_BYTES = 2**50
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
+STRATEGIES = STRATEGY_NAMES
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _EXTRA_KEY = re.compile(r"^extra/\d{1,9}$")
 _STATE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")

@@ -20,6 +20,8 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from shardwise.strategy import ALIASES as STRATEGY_ALIASES, STRATEGY_NAMES
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message says what is valid."""
@@ -67,7 +69,9 @@ class TrainConfig:
 
     # ---- sharding (Accelerate's fsdp_config names) ------------------------------------------------------
     sharding_strategy: str = "full_shard"
-    """full_shard (ZeRO-3), shard_grad_op (ZeRO-2), no_shard (DDP), hybrid_shard, hybrid_shard_zero2."""
+    """full_shard (ZeRO-3), shard_grad_op (FSDP's ZeRO-2), shard_optim_grad (DeepSpeed's ZeRO-2: full
+    parameters kept), shard_optim (ZeRO-1), no_shard (DDP), hybrid_shard, hybrid_shard_zero2; aliases zero1,
+    zero2, zero3, ddp."""
     auto_wrap: str = "transformer_based_wrap"
     """transformer_based_wrap: one unit per transformer block (transformer_layer_cls_to_wrap, else the
     model's own block class); no_wrap: the whole model is one unit."""
@@ -111,7 +115,7 @@ class TrainConfig:
 
 # Values a key may take, for the keys that are enumerations.
 CHOICES: dict[str, tuple[str, ...]] = {
-    "sharding_strategy": ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"),
+    "sharding_strategy": STRATEGY_NAMES + tuple(STRATEGY_ALIASES),
     "auto_wrap": ("transformer_based_wrap", "no_wrap"),
     "mixed_precision": ("no", "bf16", "fp16"),
     "lr_schedule": ("cosine", "constant"),
@@ -223,6 +227,8 @@ def coerce(key: str, value: Any, label: Optional[str] = None) -> Any:
             text = text.strip().lower()
             if text not in CHOICES[key]:
                 raise ConfigError(f"{label}={value!r} is not valid; valid: {', '.join(CHOICES[key])}")
+            if key == "sharding_strategy":
+                text = STRATEGY_ALIASES.get(text, text)  # zero2 -> shard_optim_grad: one name in logs and config.toml
         return text
     except ConfigError:
         raise
