@@ -52,6 +52,8 @@ ALL_IMPLS = ("shardwise", "fsdp2", "fsdp1", "ddp", "deepspeed")
 # Ablations of shardwise, not run by default: the collective fingerprint check off, and gloo's own
 # all-gather / reduce-scatter instead of the all-reduce substitutes (see shardwise/collectives.py).
 ABLATIONS = ("shardwise-nocheck", "shardwise-nativecoll")
+# shardwise's other strategies (full parameters kept across steps: ZeRO-2 and ZeRO-1), not run by default.
+STRATEGY_ROWS = ("shardwise-zero2", "shardwise-zero1")
 BASELINE_IMPL = "fsdp2"  # ratios in the table are relative to this one
 
 # Per-preset (sequence length, per-rank batch): the shapes measured in shared/REFERENCE.md.
@@ -122,12 +124,16 @@ def plain_step(model: nn.Module, opt: torch.optim.Optimizer) -> StepFn:
     return step
 
 
-def setup_shardwise(model: nn.Module, spec: RunSpec) -> StepFn:
+def setup_shardwise(model: nn.Module, spec: RunSpec, strategy: str = "full_shard") -> StepFn:
     # Imported here, not at the top: while the API is being written its failure must fail only this row.
     import shardwise
 
-    shardwise.shard(model, units={Block}, strategy="full_shard")
+    shardwise.shard(model, units={Block}, strategy=strategy)
     return plain_step(model, torch.optim.AdamW(model.parameters(), lr=spec.lr))
+
+
+def setup_shardwise_strategy(strategy: str) -> Callable[[nn.Module, RunSpec], StepFn]:
+    return lambda model, spec: setup_shardwise(model, spec, strategy)
 
 
 def setup_shardwise_ablation(env: dict[str, str]) -> Callable[[nn.Module, RunSpec], StepFn]:
@@ -200,6 +206,8 @@ SETUPS: dict[str, Callable[[nn.Module, RunSpec], StepFn]] = {
     "deepspeed": setup_deepspeed,
     "shardwise-nocheck": setup_shardwise_ablation({"SHARDWISE_CHECK_COLLECTIVES": "0"}),
     "shardwise-nativecoll": setup_shardwise_ablation({"SHARDWISE_GLOO_NATIVE_COLLECTIVES": "1"}),
+    "shardwise-zero2": setup_shardwise_strategy("shard_optim_grad"),
+    "shardwise-zero1": setup_shardwise_strategy("shard_optim"),
 }
 
 

@@ -10,10 +10,13 @@ any architecture (GPT presets, Llama, Qwen2, GPT-2 ...) is measured rather than 
 What is counted, per rank (see flat_buffer.py for the buffer lifetimes)::
 
     param shards      sum(shard_numel) x master dtype
-    grad shards       trainable shard_numel x master dtype
+    grad shards       trainable shard_numel x master dtype (shard_optim / ZeRO-1: the whole reduced
+                      gradient, trainable padded_numel x reduce dtype)
     optimizer shards  AdamW: 2 x trainable shard_numel x master dtype
     gathered          root unit (stays gathered for forward + backward) + the largest unit + the next one
-                      (prefetched); shard_grad_op / no_shard keep every unit gathered from forward to backward
+                      (prefetched); shard_grad_op / no_shard keep every unit gathered from forward to backward;
+                      shard_optim / shard_optim_grad (ZeRO-1/2) keep every unit gathered all the time, through
+                      the optimizer step too
     grad reduction    one unit's unsharded gradients (compute dtype) + its flat reduce-scatter buffer
     scratch           gloo's temporary copy of the buffer a collective works on (CPU only)
     activations       what autograd saves in forward + the backward working set (two of the largest)
@@ -272,6 +275,9 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
         if g.requires_grad:
             grad_shard += nbytes
     optim_shard = ADAM_STATES * grad_shard
+    reduce_dtype = torch.float32 if mp_dtype is not None else _MASTER[inputs.dtype]
+    if strategy.all_reduces_grads and shard_size > 1:  # ZeRO-1: grads are views of the whole reduced gradient
+        grad_shard = sum(g.padded_numel * reduce_dtype.itemsize for g in plan.groups() if g.requires_grad)
     num_params = sum(p.numel for p in plan.params())
     param_bytes = sum(p.numel * p.dtype.itemsize for p in plan.params())
 
@@ -288,7 +294,6 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
     else:
         gathered = sum(b for _, b, _ in per_unit)  # kept gathered from forward to backward
 
-    reduce_dtype = torch.float32 if mp_dtype is not None else _MASTER[inputs.dtype]
     compute_itemsize = (mp_dtype or _MASTER[inputs.dtype]).itemsize
 
     def reduce_bytes(trainable_numel: int) -> int:
@@ -335,13 +340,14 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
     block_reduce = reduce_bytes(block_trainable) + scratch_for(largest, block_trainable)
     backward_peak = device_shards + gathered + activations + max(0, block_reduce - unit_saved)
     root_reduce = reduce_bytes(root_trainable) + scratch_for(root, root_trainable)
-    end_of_backward_peak = device_shards + device_grads + (0 if aliases else root) + root_reduce
+    kept = gathered if strategy.keeps_params_gathered else 0  # ZeRO-1/2: gathered through the step as well
+    end_of_backward_peak = device_shards + device_grads + (kept or (0 if aliases else root)) + root_reduce
     backward_peak = max(backward_peak, end_of_backward_peak)
     # AdamW's temporaries: on CUDA the foreach path allocates a denominator for the whole parameter group;
     # on CPU the per-tensor path allocates one for one (the largest) shard at a time.
     largest_shard = max((g.shard_numel * g.dtype.itemsize for g in plan.groups() if g.requires_grad), default=0)
     step_temp = grad_shard if inputs.device == "cuda" else largest_shard
-    step_peak = 0 if offload else param_shard + grad_shard + optim_shard + step_temp
+    step_peak = kept + (0 if offload else param_shard + grad_shard + optim_shard + step_temp)
     total = max(backward_peak, step_peak)
     offloaded = param_shard + grad_shard + optim_shard if offload else 0
     return MemoryPlan(
@@ -372,7 +378,7 @@ def suggest(inputs: PlanInputs, budget: int, cache: dict) -> list[str]:
                        {"mixed_precision": "bf16", "activation_checkpointing": True}))
     if not inputs.cpu_offload:
         combos += [(f"{label} --cpu-offload".strip(), {**changes, "cpu_offload": True}) for label, changes in combos]
-    if Strategy.parse(inputs.sharding_strategy) in (Strategy.NO_SHARD, Strategy.SHARD_GRAD_OP):
+    if not Strategy.parse(inputs.sharding_strategy).reshard_after_forward:  # full parameters kept: try ZeRO-3
         combos = [(f"--sharding-strategy full_shard {label}".strip(), {**changes, "sharding_strategy": "full_shard"})
                   for label, changes in combos] + combos
     out = []

@@ -32,6 +32,8 @@ from parity_utils import (global_mean, local_slice, make_batches, make_optimizer
 from shardwise.api import runtime_of
 
 WORLD_SIZE = 2
+# ZeRO-1/2 gather the bf16 copy once per step and keep it: it must round exactly where full_shard does.
+STRATEGIES = ("full_shard", "no_shard", "shard_optim_grad", "shard_optim")
 STEPS = 3
 FP32_RTOL = 1e-6
 GLOBAL_LOSS_RTOL = 1e-4
@@ -89,7 +91,7 @@ def _mp_worker(rank, ws):
         references[name] = _cast_reference(initial, batches, ws, policy.get("reduce_dtype", torch.bfloat16))
 
     out = {}
-    for strategy in ("full_shard", "no_shard"):
+    for strategy in STRATEGIES:
         for name, policy in [("fp32", None)] + list(POLICIES.items()):
             mp = None if policy is None else shardwise.MixedPrecision(**policy)
             model = shardwise.shard(copy.deepcopy(initial), units={Block}, strategy=strategy, mixed_precision=mp)
@@ -122,7 +124,7 @@ def report() -> dict:
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_bf16_training_matches_per_rank_cast_reference_to_fp32_precision(strategy, policy):
     """bf16 params, fp32 or bf16 reduction: losses and masters equal a reference rounding in the same places."""
     loss_err, (where, err), _ = report()[(strategy, policy)]["errs"][policy]
@@ -131,7 +133,7 @@ def test_bf16_training_matches_per_rank_cast_reference_to_fp32_precision(strateg
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_bf16_training_matches_global_batch_cast_reference_within_bf16_rounding(strategy, policy):
     """Against a bf16 copy run on the whole global batch: losses within 1e-4, the whole model within 1e-3."""
     loss_err, _, model_err = report()[(strategy, policy)]["errs"]["global"]
@@ -139,7 +141,7 @@ def test_bf16_training_matches_global_batch_cast_reference_within_bf16_rounding(
     assert model_err <= GLOBAL_MODEL_RTOL, f"parameters off by {model_err:.2e}"
 
 
-@pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_bf16_policy_computes_in_bf16_and_keeps_fp32_masters_and_grads(strategy):
     """Gathered buffers are bf16; masters and their gradients stay fp32; fp32 training would not pass the bf16 check."""
     r = report()[(strategy, "bf16-params-fp32-reduce")]
@@ -151,7 +153,7 @@ def test_bf16_policy_computes_in_bf16_and_keeps_fp32_masters_and_grads(strategy)
         assert fp32["errs"][policy][1][1] > DISTINGUISH, "the per-rank reference cannot tell fp32 from bf16"
 
 
-@pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_reduce_dtype_is_the_dtype_gradients_are_summed_in(strategy):
     """fp32 and bf16 reduction give measurably different results, each matching its own reference only."""
     fp32_reduce = report()[(strategy, "bf16-params-fp32-reduce")]["errs"]["bf16-params-bf16-reduce"]

@@ -47,11 +47,14 @@ HYBRID = {
         ("hybrid_shard_zero2", (2, 1))],
     4: [("hybrid_shard", (2, 2)), ("hybrid_shard_zero2", (2, 2))],
 }
+# ZeRO-1/2 (full parameters kept across steps) at the uneven size; SGD parity at every size, no_sync, tied and
+# frozen parameters are in test_zero_strategies.py.
+ZERO = {3: [("shard_optim", None), ("shard_optim_grad", None)]}
 VARIANTS = ("sgd", "adamw", "sgd_clip")
 
 
 def cases_for(world_size: int) -> list[tuple[str, tuple | None]]:
-    return BASIC + HYBRID.get(world_size, [])
+    return BASIC + HYBRID.get(world_size, []) + ZERO.get(world_size, [])
 
 
 def case_key(strategy: str, mesh_shape, variant: str) -> str:

@@ -14,7 +14,8 @@ def _save_at_4(rank, world_size, root):
     from shardwise.checkpoint import save_checkpoint
 
     out = {}
-    for tag, strategy, mesh in (("full", "full_shard", None), ("hybrid", "hybrid_shard", (2, 2))):
+    for tag, strategy, mesh in (("full", "full_shard", None), ("hybrid", "hybrid_shard", (2, 2)),
+                                ("zero2", "shard_optim_grad", None)):
         model, opt = build(strategy, mesh)
         for step in (1, 2):
             train_step(model, opt, step, rank, world_size)
@@ -46,6 +47,8 @@ def saved_at_4(tmp_path_factory):
     (2, "hybrid", "full_shard", None),
     (2, "full", "hybrid_shard", (2, 1)),  # replicas: only replicate index 0 writes on re-save
     (1, "hybrid", "no_shard", None),
+    (3, "zero2", "shard_optim", None),  # ZeRO-2 -> ZeRO-1, uneven
+    (2, "full", "shard_optim_grad", None),  # ZeRO-3 -> ZeRO-2
 ])
 def test_reshard_on_load(saved_at_4, world_size, src, strategy, mesh):
     root, ref = saved_at_4

@@ -41,6 +41,21 @@ def test_shards_shrink_with_world_size_exactly_like_the_plan():
     assert eight.activation_bytes == one.activation_bytes  # per-rank batch unchanged
 
 
+def test_zero1_and_zero2_plans_keep_full_parameters_and_zero1_full_gradients():
+    """ZeRO-2 (shard_optim_grad) keeps every unit gathered through the optimizer step, with 1/N gradients and
+    optimizer state; ZeRO-1 (shard_optim) also keeps the whole reduced gradient."""
+    zero3 = plan_memory(PlanInputs("gpt-34m", 4, sharding_strategy="full_shard"))
+    zero2 = plan_memory(PlanInputs("gpt-34m", 4, sharding_strategy="zero2"))
+    zero1 = plan_memory(PlanInputs("gpt-34m", 4, sharding_strategy="shard_optim"))
+    assert zero2.sharding_strategy == "shard_optim_grad"
+    assert zero2.param_shard_bytes == zero3.param_shard_bytes and zero2.optim_shard_bytes == zero3.optim_shard_bytes
+    assert zero2.grad_shard_bytes == zero3.grad_shard_bytes
+    assert zero2.gathered_bytes >= zero3.param_bytes > zero3.gathered_bytes  # every unit, all the time
+    assert zero2.optimizer_step_peak_bytes >= zero3.optimizer_step_peak_bytes + zero3.param_bytes
+    assert zero1.grad_shard_bytes >= zero3.param_bytes  # whole fp32 gradients (padding included)
+    assert zero1.optim_shard_bytes == zero3.optim_shard_bytes  # optimizer state stays 1/N
+
+
 def test_70b_on_512_ranks_from_our_own_plan(tmp_path, capsys):
     pytest.importorskip("transformers")
     cfg = tmp_path / "config.json"
