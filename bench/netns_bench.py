@@ -161,12 +161,13 @@ class ShapedNetwork:
 
     def _our_namespaces(self) -> list[str]:
         names = [line.split()[0] for line in sh("ip", "netns", "list", check=False).stdout.splitlines() if line.strip()]
-        return [n for n in names if n.startswith(f"{self.prefix}-h")]
+        return [n for n in names if re.fullmatch(rf"{self.prefix}-h\d+", n)]
 
     def _our_links(self) -> list[str]:
         links = sh("ip", "-o", "link", "show", check=False).stdout.splitlines()
         names = [line.split(":")[1].strip().split("@")[0] for line in links if ":" in line]
-        return [n for n in names if n.startswith(self.prefix)]
+        # Exactly our names, so that prefix "nb" never touches the links of a run with prefix "nb2".
+        return [n for n in names if re.fullmatch(rf"{self.prefix}(br|[hb]\d+)", n)]
 
     def remove_leftovers(self) -> list[str]:
         """Remove every namespace and link with our prefix (this run's, or a crashed earlier run's)."""
