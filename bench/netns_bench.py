@@ -266,6 +266,7 @@ class NetRun:
     rx_bytes_per_step: float | None = None  # busiest host's link, switch -> host
     losses: list[float] = field(default_factory=list)
     wall_s: float = 0.0
+    note: str = ""  # e.g. an agent's non-zero exit after every rank had written its result
 
     @property
     def ok(self) -> bool:
@@ -336,14 +337,16 @@ class Bench:
             run.status = f"timeout after {self.args.timeout:.0f} s"
         elif causes:
             run.status = "failed: " + cc.short(causes[0])
-        elif any(p.returncode for p in procs):
-            host = next(i for i, p in enumerate(procs) if p.returncode)
-            run.status = f"failed: host {host} exit {procs[host].returncode}: " + cc.short(
-                cc.last_line(run_dir / f"host{host}.log"))
         elif len(reports) < world:
-            run.status = f"failed: {world - len(reports)} rank(s) wrote no result"
+            bad = [i for i, p in enumerate(procs) if p.returncode]
+            run.status = f"failed: {world - len(reports)} rank(s) wrote no result" + "".join(
+                f"; host {i} exit {procs[i].returncode}: {cc.short(cc.last_line(run_dir / f'host{i}.log'))}" for i in bad)
         if not run.ok:
             return
+        # Every rank finished and reported; a crash while the processes shut down does not void the numbers,
+        # but the row says it happened.
+        run.note = "; ".join(f"host {i} exit {p.returncode} after all ranks reported"
+                             for i, p in enumerate(procs) if p.returncode)
         run.median_step_s = max(rep["median_step_s"] for rep in reports.values())
         run.losses = reports[0]["losses"]
         # Ranks of one host read the same counters; the busiest host's link is the figure.
@@ -369,7 +372,7 @@ class Bench:
               "reduce-scatter in backward).\n"
               f"#   {link_bytes / 1e6:.1f} MB * 8 / {run.median_step_s:.3f} s = {fmt_rate(raw)}; at "
               f"{fmt_rate(rate)} moving a step's bytes takes about as long as computing it, as on a GPU "
-              "cluster where the network is the bottleneck about half the time.", flush=True)
+              "cluster where communication and compute are of the same order.", flush=True)
         return rate
 
 
@@ -398,6 +401,9 @@ def summarize(runs: list[NetRun], configs: list[Config], rate_bps: int) -> str:
             rows.append(f"| {cfg.name} | {'; '.join(sorted({r.status for r in shaped}))} | — | — | — | — | — |")
             continue
         cell = cc.min_med_max([r.median_step_s for r in ok], ".3f")
+        notes = sorted({r.note for r in shaped + base if r.note})
+        if notes:
+            cell += f" ({'; '.join(notes)})"
         if len(ok) < len(shaped):
             cell += f" ({len(ok)}/{len(shaped)} ok; {'; '.join(sorted({r.status for r in shaped if not r.ok}))})"
         t_step = statistics.median(r.median_step_s for r in ok)
