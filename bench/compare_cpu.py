@@ -32,7 +32,7 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,9 @@ class RunSpec:
     warmup: int  # steps run first and not measured
     seed: int
     lr: float
+    # Keyword options for the implementation's setup function (e.g. strategy, prefetch, reduce_dtype), so
+    # other benchmarks (bench/netns_bench.py) can vary them without a setup of their own. JSON-serialisable.
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -124,37 +127,49 @@ def plain_step(model: nn.Module, opt: torch.optim.Optimizer) -> StepFn:
     return step
 
 
-def setup_shardwise(model: nn.Module, spec: RunSpec, strategy: str = "full_shard") -> StepFn:
+def dtype_option(name: str | None) -> torch.dtype | None:
+    """A dtype named in RunSpec.options ("bfloat16", "float32", ...), or None when not given."""
+    return None if name is None else getattr(torch, name)
+
+
+def setup_shardwise(model: nn.Module, spec: RunSpec, strategy: str = "full_shard", prefetch: bool = True,
+                    reduce_dtype: str | None = None) -> StepFn:
     # Imported here, not at the top: while the API is being written its failure must fail only this row.
     import shardwise
 
-    shardwise.shard(model, units={Block}, strategy=strategy)
+    mp = None if reduce_dtype is None else shardwise.MixedPrecision(reduce_dtype=dtype_option(reduce_dtype))
+    shardwise.shard(model, units={Block}, strategy=strategy, mixed_precision=mp, prefetch=prefetch)
     return plain_step(model, torch.optim.AdamW(model.parameters(), lr=spec.lr))
 
 
-def setup_shardwise_strategy(strategy: str) -> Callable[[nn.Module, RunSpec], StepFn]:
-    return lambda model, spec: setup_shardwise(model, spec, strategy)
+def setup_shardwise_strategy(strategy: str) -> Callable[..., StepFn]:
+    return lambda model, spec, **options: setup_shardwise(model, spec, **{"strategy": strategy, **options})
 
 
-def setup_shardwise_ablation(env: dict[str, str]) -> Callable[[nn.Module, RunSpec], StepFn]:
-    def setup(model: nn.Module, spec: RunSpec) -> StepFn:
+def setup_shardwise_ablation(env: dict[str, str]) -> Callable[..., StepFn]:
+    def setup(model: nn.Module, spec: RunSpec, **options) -> StepFn:
         os.environ.update(env)  # read by shardwise at shard() time and at its first collective
-        return setup_shardwise(model, spec)
+        return setup_shardwise(model, spec, **options)
 
     return setup
 
 
-def setup_fsdp2(model: nn.Module, spec: RunSpec) -> StepFn:
+def setup_fsdp2(model: nn.Module, spec: RunSpec, reduce_dtype: str | None = None) -> StepFn:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(reduce_dtype=dtype_option(reduce_dtype))  # all None: plain fp32
     # fully_shard's default mesh is on the accelerator when there is one; the model lives on CPU here.
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for module in model.modules():
         if isinstance(module, Block):
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)  # the root unit: embeddings, final LayerNorm, head
+            fully_shard(module, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)  # the root unit: embeddings, final LayerNorm, head
     return plain_step(model, torch.optim.AdamW(model.parameters(), lr=spec.lr))
 
 
-def setup_fsdp1(model: nn.Module, spec: RunSpec) -> StepFn:
+def setup_fsdp1(model: nn.Module, spec: RunSpec, reduce_dtype: str | None = None) -> StepFn:
+    from torch.distributed.fsdp import MixedPrecision
+
     wrapped = FullyShardedDataParallel(
         model,
         auto_wrap_policy=ModuleWrapPolicy({Block}),
@@ -162,16 +177,25 @@ def setup_fsdp1(model: nn.Module, spec: RunSpec) -> StepFn:
         # device, but no accelerator device is detected").
         device_id=torch.device("cpu"),
         use_orig_params=True,
+        mixed_precision=None if reduce_dtype is None else MixedPrecision(reduce_dtype=dtype_option(reduce_dtype)),
     )
     return plain_step(wrapped, torch.optim.AdamW(wrapped.parameters(), lr=spec.lr))
 
 
-def setup_ddp(model: nn.Module, spec: RunSpec) -> StepFn:
+def setup_ddp(model: nn.Module, spec: RunSpec, reduce_dtype: str | None = None) -> StepFn:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     wrapped = DistributedDataParallel(model)
+    # DDP's equivalent of a reduction dtype is a communication hook that casts each bucket before all-reduce.
+    hooks = {None: None, "bfloat16": default_hooks.bf16_compress_hook, "float16": default_hooks.fp16_compress_hook}
+    if reduce_dtype not in hooks:
+        raise ValueError(f"reduce_dtype={reduce_dtype!r}: DDP has compression hooks for {list(hooks)[1:]} only")
+    if hooks[reduce_dtype] is not None:
+        wrapped.register_comm_hook(None, hooks[reduce_dtype])
     return plain_step(wrapped, torch.optim.AdamW(wrapped.parameters(), lr=spec.lr))
 
 
-def setup_deepspeed(model: nn.Module, spec: RunSpec) -> StepFn:
+def setup_deepspeed(model: nn.Module, spec: RunSpec, reduce_dtype: str | None = None) -> StepFn:
     import deepspeed  # optional (see bench/README.md); when missing, only this row fails
 
     config = {
@@ -185,6 +209,8 @@ def setup_deepspeed(model: nn.Module, spec: RunSpec) -> StepFn:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1_000_000,
     }
+    if reduce_dtype is not None:  # DeepSpeed's name for the gradient-reduction dtype: "fp32", "bf16", "fp16"
+        config["communication_data_type"] = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[reduce_dtype]
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
     # torch.distributed is already initialised (gloo); DeepSpeed wraps that process group.
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config, dist_init_required=False)
@@ -198,7 +224,8 @@ def setup_deepspeed(model: nn.Module, spec: RunSpec) -> StepFn:
     return step
 
 
-SETUPS: dict[str, Callable[[nn.Module, RunSpec], StepFn]] = {
+# Each takes (model, spec, **spec.options) and returns the step.
+SETUPS: dict[str, Callable[..., StepFn]] = {
     "shardwise": setup_shardwise,
     "fsdp2": setup_fsdp2,
     "fsdp1": setup_fsdp1,
@@ -218,23 +245,39 @@ def make_batches(spec: RunSpec, rank: int, vocab_size: int) -> list[tuple[torch.
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]  # (B, T) inputs, (B, T) targets
 
 
-def train(spec: RunSpec, rank: int) -> dict:
+class Meter:
+    """Something measured around the timed steps (e.g. bytes on a network link); by default nothing."""
+
+    def start(self) -> None:
+        """Called after the warmup steps, just before the first measured step."""
+
+    def stop(self) -> dict:
+        """Called right after the last measured step; what it returns goes into the rank's result."""
+        return {}
+
+
+def train(spec: RunSpec, rank: int, meter: Meter | None = None) -> dict:
     """Build, wrap and train the model; return the per-step numbers. Everything it built dies with its frame."""
+    meter = meter or Meter()
     torch.manual_seed(spec.seed)  # identical initial weights on every rank and for every implementation
     model = GPT.from_preset(spec.model)
     batches = make_batches(spec, rank, model.config.vocab_size)
-    step = SETUPS[spec.impl](model, spec)
+    step = SETUPS[spec.impl](model, spec, **spec.options)
 
     times, losses = [], []
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):
+        if i == spec.warmup:
+            meter.start()
         start = time.perf_counter()
         loss = step(x, y)
         losses.append(loss.item())  # also makes sure the step has really finished
         times.append(time.perf_counter() - start)
-    return {"step_times_s": times, "losses": losses, "median_step_s": statistics.median(times[spec.warmup :])}
+    measured = meter.stop()
+    return {"step_times_s": times, "losses": losses, "median_step_s": statistics.median(times[spec.warmup :]),
+            **measured}
 
 
-def worker_main(spec: RunSpec, result_path: Path) -> None:
+def worker_main(spec: RunSpec, result_path: Path, meter: Meter | None = None) -> None:
     """Run one rank of one run and write its numbers (or its error) to result_path as JSON."""
     torch.set_num_threads(1)  # OMP_NUM_THREADS=1 from the driver already; this makes it explicit
     rank = int(os.environ["RANK"])
@@ -242,7 +285,7 @@ def worker_main(spec: RunSpec, result_path: Path) -> None:
     try:
         # The driver enforces the wall-clock limit; this only keeps a lone survivor from waiting forever.
         dist.init_process_group("gloo", timeout=timedelta(minutes=30))
-        result.update(train(spec, rank))
+        result.update(train(spec, rank, meter))
     except BaseException as exc:  # report every failure, including KeyboardInterrupt, then exit non-zero
         result["error"] = f"{type(exc).__name__}: {exc}".strip()
         traceback.print_exc()
