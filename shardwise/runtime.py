@@ -408,6 +408,7 @@ class ModelRuntime:
         self._recording: list[Unit] = []
         self._on_track = False  # this forward so far matches the recorded order
         self._pending: deque[PendingReduce] = deque()
+        self.checker = None  # consistency.CollectiveChecker, set by shard() when the check is on
 
     # ---- forward order and prefetch ---------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -489,6 +490,8 @@ class ModelRuntime:
                     if g.has_unsynced_grad():
                         self.add_pending(g.reduce_grads([None] * len(g.plan.params), sync=True))
             self.finish_pending()
+        if self.checker is not None:
+            self.checker.agree()  # before backward returns: no gradient reaches an optimizer unchecked
         for u in self.units:
             u.owed_backwards = 0
             u.backward_views = u._backward_ticket = None
