@@ -101,7 +101,7 @@ class CollectiveChecker:
         self.log: list[list[int]] = []  # out-of-band fingerprints since the ranks last agreed
         self.hash = 0  # running hash of ``log``
         self._epoch: Optional[tuple[int, int]] = None  # (step, phase) of the last out-of-band fingerprint
-        _register(self)
+        self.ident = _register(self)  # names this checker's ring in stall reports
 
     def _fingerprint(self, op: str, unit: int, group: int, numel: int) -> list[int]:
         self.seq += 1
@@ -230,25 +230,30 @@ _MASK = 2**63 - 1
 _checkers: list = []  # weak references, in creation order: the same order on every rank
 
 
-def _register(checker: CollectiveChecker) -> None:
+_created = [0]  # checkers made so far in this process: the same count on every rank (shard() is collective)
+
+
+def _register(checker: CollectiveChecker) -> str:
     _checkers[:] = [ref for ref in _checkers if ref() is not None]
     _checkers.append(weakref.ref(checker))
+    _created[0] += 1
     watchdog.set_ring_source(_rings, _diagnose)
+    return str(_created[0])
 
 
-def _live() -> list[CollectiveChecker]:
-    return [c for c in (ref() for ref in _checkers) if c is not None]
+def _live() -> dict[str, CollectiveChecker]:
+    return {c.ident: c for c in (ref() for ref in _checkers) if c is not None}
 
 
 def _rings() -> dict:
-    """This rank's recent collectives per checker, for its line of a stall report (watchdog thread: the
-    main thread may append meanwhile; copying a list or deque is one C call under the GIL, retried if a
-    deque changed during it)."""
+    """This rank's recent collectives per live checker, for its line of a stall report (watchdog thread:
+    the main thread may append meanwhile; copying a list or deque is one C call under the GIL, retried if
+    a deque changed during it)."""
     out = {}
-    for i, c in enumerate(_live()):
+    for ident, c in _live().items():
         for _ in range(3):
             try:
-                out[str(i)] = {"ring": list(c.ring), "log": list(c.log[-LOG_SHOWN:]), "log_len": len(c.log)}
+                out[ident] = {"ring": list(c.ring), "log": list(c.log[-LOG_SHOWN:]), "log_len": len(c.log)}
                 break
             except RuntimeError:
                 continue
@@ -257,11 +262,15 @@ def _rings() -> dict:
 
 def _diagnose(rings: dict[int, dict]) -> tuple[Optional[str], list[str]]:
     """From every rank's ``_rings()`` (global rank -> it): the disagreement, if the ranks' out-of-band
-    logs show one, and one line per rank of its last collectives, named."""
+    logs show one, and one line per rank of its last collectives, named. Only checkers with fingerprints
+    not yet compared are shown, or else the newest (older models' rings are history)."""
     checkers = _live()
+    pending = [i for i in checkers if any((ring or {}).get(i, {}).get("log_len") for ring in rings.values())]
+    shown = pending or sorted(checkers, key=int)[-1:]
     found, lines = None, []
-    for i, c in enumerate(checkers):
-        per_rank = {r: ring.get(str(i)) for r, ring in rings.items() if ring and ring.get(str(i))}
+    for i in shown:
+        c = checkers[i]
+        per_rank = {r: ring.get(i) for r, ring in rings.items() if ring and ring.get(i)}
         if not per_rank:
             continue
         full = [r for r, v in per_rank.items() if v["log_len"] <= LOG_SHOWN]
