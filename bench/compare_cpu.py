@@ -51,7 +51,7 @@ from shardwise.models import GPT, PRESETS, Block, GPTConfig  # noqa: E402  (need
 ALL_IMPLS = ("shardwise", "fsdp2", "fsdp1", "ddp", "deepspeed")
 # Ablations of shardwise, not run by default: the collective fingerprint check off, and gloo's own
 # all-gather / reduce-scatter instead of the all-reduce substitutes (see shardwise/collectives.py).
-ABLATIONS = ("shardwise-nocheck", "shardwise-nativecoll")
+ABLATIONS = ("shardwise-nocheck", "shardwise-nativecoll", "shardwise-nativecoll-nocheck")
 BASELINE_IMPL = "fsdp2"  # ratios in the table are relative to this one
 
 # Per-preset (sequence length, per-rank batch): the shapes measured in shared/REFERENCE.md.
@@ -200,6 +200,9 @@ SETUPS: dict[str, Callable[[nn.Module, RunSpec], StepFn]] = {
     "deepspeed": setup_deepspeed,
     "shardwise-nocheck": setup_shardwise_ablation({"SHARDWISE_CHECK_COLLECTIVES": "0"}),
     "shardwise-nativecoll": setup_shardwise_ablation({"SHARDWISE_GLOO_NATIVE_COLLECTIVES": "1"}),
+    # the cost of the out-of-band check: native collectives with the check off
+    "shardwise-nativecoll-nocheck": setup_shardwise_ablation({"SHARDWISE_GLOO_NATIVE_COLLECTIVES": "1",
+                                                              "SHARDWISE_CHECK_COLLECTIVES": "0"}),
 }
 
 

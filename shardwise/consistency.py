@@ -15,17 +15,30 @@ Two ways to carry the fingerprint:
   extra message, no extra thread wakeup: a separate exchange per collective cost ~9% of a step on a
   2-core CPU box, almost all of it scheduling the extra gloo work, not bytes.
   The same goes for the all-reduce across replicas (no_shard, hybrid strategies) on gloo.
-* **Out of band** (NCCL, gloo with native all-gather / reduce-scatter): a
-  tiny all-gather of the same values on a dedicated gloo group, on the CPU, so under NCCL waiting on it
-  never waits on the GPU streams that carry the data. It has the same size on every rank whatever they
-  are about to do, so it cannot itself mismatch. It is issued together with its collective and
-  checked before that collective's result is used, so it adds no stall of its own.
+* **Out of band** (NCCL, gloo with native all-gather / reduce-scatter): nothing travels with the
+  collective. Each rank folds the fingerprint into a running hash and appends it to a log of the
+  fingerprints since the ranks last agreed (plus a short ring of its last ``RING`` collectives for stall
+  reports). The ranks compare in one tiny all-gather of (call count, hash, log length) on a dedicated gloo
+  group, on the CPU, at *compare points*: the first out-of-band collective of every phase (a forward, a
+  backward, a call outside steps: the compare includes that collective and comes before it is issued), at
+  the end of backward after the last reduce-scatter's wait (so no gradient reaches an optimizer before
+  the ranks agreed, a post-accumulate-grad hook included), and at every ``check_now``. That is three
+  exchanges per training step whatever the number of units, where a per-collective exchange made ~240
+  CPU barriers a step for an 80-layer model. Only when the hashes differ (the rare path) do the ranks
+  exchange their logs and every rank raises the same error naming the first collective where they part.
+  Ranks that part *between* compare points may meet in mismatched native collectives: same sizes
+  complete with mixed data (caught at the next compare, before any optimizer step), others hang, and a
+  hang is the stall watchdog's (watchdog.py): after ``watchdog.PROBE_S`` seconds in a wait it has every
+  rank post its log to the c10d store and, if they show ranks that parted, every waiting rank raises the
+  same disagreement; else it reports who is behind at the stall threshold. gloo's native collectives
+  abort the process outright when the *sizes* differ ("Received data size doesn't match"); two ranks
+  calling units of different sizes at a compare point are named before that can happen.
 
-Either way the table is checked before the collective's result is used, so mixed-up data is never
-consumed. A rank that died or skipped ahead makes the collective fail (peer closed) or time out after the
-process group's timeout, also with a clear message. Ranks that disagree about a collective's *size* are
-stopped by gloo itself ("Received data size doesn't match expected size"), which aborts the process
-before any fingerprint can be read; sizes follow from the sharding plan, whose hash every rank compares at
+Either way, mixed-up data never reaches the weights: an in-band table is checked before the collective's
+result is used, an out-of-band log before backward returns. A rank that died or skipped ahead makes the
+collective fail (peer closed) or stall (the watchdog), also with a clear message. Ranks that disagree
+about a collective's *size* in band are stopped by gloo itself, which aborts the process before any
+fingerprint can be read; sizes follow from the sharding plan, whose hash every rank compares at
 ``shard()`` time, so that takes two ranks calling different units of different sizes at the same moment.
 Turn the check off with ``SHARDWISE_CHECK_COLLECTIVES=0``.
 """

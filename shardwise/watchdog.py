@@ -36,6 +36,15 @@ Threshold, ``SHARDWISE_STALL_S``:
   work between steps (saving a full state dict, logging) makes the other ranks wait in the next forward's
   all-gather for tens of seconds in healthy runs.
 
+Every rank's line also carries its recent collectives (``consistency._rings``: the last ``RING``
+fingerprints, and the out-of-band log not yet compared), read by the watchdog thread only when a report is
+made: the report shows each rank's last few collectives, names the ranks that are behind (fewest calls),
+and if the logs show two ranks that sent different fingerprints for the same call, the verdict is to raise
+that disagreement, whatever the threshold. Under native collectives (out-of-band logs pending) a wait
+longer than ``PROBE_S`` starts a *quiet probe* (at most one per ``PROBE_EVERY_S`` per rank): the same
+exchange, printed and raised only if it proves a disagreement, so ranks that parted between two compare
+points and hang are named within seconds instead of at the stall threshold.
+
 The verdict is also *report only* when every rank is waiting in the same collective: that one is slow,
 not out of step. Without a store (``_default_store`` below) the report is this rank's own line only.
 """
