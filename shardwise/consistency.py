@@ -113,7 +113,7 @@ class CollectiveChecker:
         self.ring: deque = deque(maxlen=RING)  # this rank's last collectives, for stall reports
         self.log: list[list[int]] = []  # out-of-band fingerprints since the ranks last agreed
         self.hash = 0  # running hash of ``log``
-        self._epoch: Optional[tuple[int, int]] = None  # (step, phase) of the last out-of-band fingerprint
+        self._epoch: tuple[int, int] | None = None  # (step, phase) of the last out-of-band fingerprint
         self.ident = _register(self)  # names this checker's ring in stall reports
 
     def _fingerprint(self, op: str, unit: int, group: int, numel: int) -> list[int]:
@@ -179,7 +179,7 @@ class CollectiveChecker:
         raise ShardwiseError(self.first_difference(logs) or "ranks disagree about the collectives issued "
                              "(their running hashes differ, their recent collectives do not show where)")
 
-    def first_difference(self, logs: dict[int, list[list[int]]]) -> Optional[str]:
+    def first_difference(self, logs: dict[int, list[list[int]]]) -> str | None:
         """The disagreement at the first call where the ranks' logs (global rank -> fingerprints, from the
         same starting call) differ, or None. A rank with no fingerprint there is named as not there yet."""
         for i in range(max((len(v) for v in logs.values()), default=0)):
@@ -209,9 +209,9 @@ class CollectiveChecker:
         rows = {r: tuple(_decode(row)) for r, row in zip(stamp.slot_ranks, table.to(torch.int64).tolist())}
         raise ShardwiseError(self._disagreement(rows))
 
-    def _disagreement(self, rows: dict[int, Optional[tuple]]) -> str:
+    def _disagreement(self, rows: dict[int, tuple | None]) -> str:
         """``rows``: global rank -> the fingerprint it sent (None: it sent none at that call)."""
-        by_call: dict[Optional[tuple], list[int]] = {}
+        by_call: dict[tuple | None, list[int]] = {}
         for r, row in rows.items():
             by_call.setdefault(row, []).append(r)
         parts = [f"ranks {ranks} are at {self._describe(list(call))}" if call is not None else
@@ -273,7 +273,7 @@ def _rings() -> dict:
     return out
 
 
-def _diagnose(rings: dict[int, dict]) -> tuple[Optional[str], list[str]]:
+def _diagnose(rings: dict[int, dict]) -> tuple[str | None, list[str]]:
     """From every rank's ``_rings()`` (global rank -> it): the disagreement, if the ranks' out-of-band
     logs show one, and one line per rank of its last collectives, named. Only checkers with fingerprints
     not yet compared are shown, or else the newest (older models' rings are history)."""

@@ -396,5 +396,5 @@ def run_post_accumulate_grad_hooks(p: torch.Tensor) -> None:
             hook(p)
 
 
-def _post_accumulate_grad_hooks(p: torch.Tensor) -> Optional[dict]:
+def _post_accumulate_grad_hooks(p: torch.Tensor) -> dict | None:
     return getattr(p, "_post_accumulate_grad_hooks", None)

@@ -113,7 +113,7 @@ class _State:
         self.step_t: Optional[float] = None  # when the last one started
         self.longest = 0.0  # the longest time between two root forwards
         self.reported = 0.0  # when this rank last took part in a report
-        self.abort: Optional[tuple[int, str, Optional[str]]] = None  # (wid, report, disagreement): that wait raises
+        self.abort: tuple[int, str, str | None] | None = None  # (wid, report, disagreement): that wait raises
         self.started = False
         self.off = False
         self.stalled: Optional[str] = None  # the wait that raised a stall: every later unfinished wait fails at once
@@ -123,11 +123,12 @@ class _State:
 _state = _State()
 # Set by consistency.py (which imports this module, not the reverse): this rank's recent collectives, as
 # JSON, and the function that reads every rank's of them: (disagreement text or None, lines to print).
-_ring_source: Optional[Callable[[], dict]] = None
-_diagnose: Optional[Callable[[dict], tuple[Optional[str], list[str]]]] = None
+Diagnosis = Callable[[dict], "tuple[str | None, list[str]]"]
+_ring_source: Callable[[], dict] | None = None
+_diagnose: Diagnosis | None = None
 
 
-def set_ring_source(rings: Callable[[], dict], diagnose: Callable[[dict], tuple[Optional[str], list[str]]]) -> None:
+def set_ring_source(rings: Callable[[], dict], diagnose: Diagnosis) -> None:
     global _ring_source, _diagnose
     _ring_source, _diagnose = rings, diagnose
 _start_lock = threading.Lock()
@@ -280,12 +281,12 @@ def _where(s: _State, now: float) -> dict:
     if _ring_source is not None:
         try:
             line["rings"] = _ring_source()
-        except Exception:
-            pass  # the report must not fail for want of the collectives
+        except (RuntimeError, KeyError, IndexError, TypeError, ValueError) as e:
+            line["rings_failed"] = repr(e)  # the report must not fail for want of the collectives
     return line
 
 
-def _unchecked(rings: Optional[dict]) -> bool:
+def _unchecked(rings: dict | None) -> bool:
     """Whether this rank has out-of-band fingerprints its peers have not confirmed yet."""
     return bool(rings) and any(r.get("log_len") for r in rings.values())
 

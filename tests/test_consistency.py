@@ -287,8 +287,8 @@ def _native_case(rank: int, world: int, scenario: str, out_dir: str) -> dict:
     except shardwise.ShardwiseError as e:
         error = str(e)
     unchanged = all(torch.equal(a, b) for a, b in zip(before, shards))
-    return dict(error=error, reached_optimizer=reached_optimizer, unchanged=unchanged,
-                seconds=time.monotonic() - start)
+    return {"error": error, "reached_optimizer": reached_optimizer, "unchanged": unchanged,
+            "seconds": time.monotonic() - start}
 
 
 def _native_world(rank: int, world: int, scenarios: list[str], out_dir: str) -> dict:
@@ -316,7 +316,6 @@ def test_native_collectives_divergences_are_named_before_any_gradient_reaches_th
                               allow_errors=True)
     stuck = [r for r in results if isinstance(r, RankError)]
     assert not stuck, stuck
-    print({s: [(res[s]["error"] or "")[:300] + f" {res[s]['seconds']:.1f}s" for res in results] for s in scenarios})
     for scenario in scenarios:
         for rank, res in enumerate(results):
             case = res[scenario]
