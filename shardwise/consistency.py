@@ -112,7 +112,7 @@ class CollectiveChecker:
         self.seq = 0
         self.ring: deque = deque(maxlen=RING)  # this rank's last collectives, for stall reports
         self.log: list[list[int]] = []  # out-of-band fingerprints since the ranks last agreed
-        self.hash = 0  # running hash of ``log``
+        self.hash = 0  # running hash of ``log`` (the ranks agree on everything before it)
         self._epoch: tuple[int, int] | None = None  # (step, phase) of the last out-of-band fingerprint
         self.ident = _register(self)  # names this checker's ring in stall reports
 
@@ -161,6 +161,7 @@ class CollectiveChecker:
         table = everyone.view(self.world, 3)
         if bool((table == table[0]).all()):
             self.log.clear()
+            self.hash = 0
             return
         self._raise_first_difference(int(table[:, 2].max()), what)
 
@@ -176,6 +177,7 @@ class CollectiveChecker:
         logs = {r: [row for row in log if row[0] >= 0] for r, log in
                 enumerate(everyone.view(self.world, longest, -1).tolist())}
         self.log.clear()
+        self.hash = 0
         raise ShardwiseError(self.first_difference(logs) or "ranks disagree about the collectives issued "
                              "(their running hashes differ, their recent collectives do not show where)")
 
