@@ -51,7 +51,7 @@ from shardwise.models import GPT, PRESETS, Block, GPTConfig  # noqa: E402  (need
 ALL_IMPLS = ("shardwise", "fsdp2", "fsdp1", "ddp", "deepspeed")
 # Ablations of shardwise, not run by default: the collective fingerprint check off, and gloo's own
 # all-gather / reduce-scatter instead of the all-reduce substitutes (see shardwise/collectives.py).
-ABLATIONS = ("shardwise-nocheck", "shardwise-nativecoll")
+ABLATIONS = ("shardwise-nocheck", "shardwise-nativecoll", "shardwise-nativecoll-nocheck")
 # shardwise's other strategies (full parameters kept across steps: ZeRO-2 and ZeRO-1), not run by default.
 STRATEGY_ROWS = ("shardwise-zero2", "shardwise-zero1")
 BASELINE_IMPL = "fsdp2"  # ratios in the table are relative to this one
@@ -235,6 +235,9 @@ SETUPS: dict[str, Callable[..., StepFn]] = {
     "shardwise-nativecoll": setup_shardwise_ablation({"SHARDWISE_GLOO_NATIVE_COLLECTIVES": "1"}),
     "shardwise-zero2": setup_shardwise_strategy("shard_optim_grad"),
     "shardwise-zero1": setup_shardwise_strategy("shard_optim"),
+    # the cost of the out-of-band check: native collectives with the check off
+    "shardwise-nativecoll-nocheck": setup_shardwise_ablation({"SHARDWISE_GLOO_NATIVE_COLLECTIVES": "1",
+                                                              "SHARDWISE_CHECK_COLLECTIVES": "0"}),
 }
 
 

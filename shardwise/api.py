@@ -106,10 +106,10 @@ def shard(
     _install_optimizer_check()
 
     runtime = ModelRuntime(strategy, groups, mp, prefetch)
-    runtime.checker = None
     if checks_enabled():
         check_same_plan(_describe_plan(plan, strategy, groups), _world_if_many())
-        runtime.checker = CollectiveChecker([u.label for u in plan.units], lambda: runtime.phase.value)
+        runtime.checker = CollectiveChecker([u.label for u in plan.units], lambda: runtime.phase.value,
+                                            lambda: runtime.step)
         for ui, up in enumerate(plan.units):
             for gi, gp in enumerate(up.groups):
                 flat_groups[id(gp)].attach_checker(runtime.checker, ui, gi)

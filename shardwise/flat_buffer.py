@@ -226,11 +226,9 @@ class FlatGroup:
         return None
 
     def _wait_checked(self, work, op: str, stamp: Optional[Stamp], buffer: Optional[torch.Tensor]) -> None:
-        """Wait for a collective and make sure the ranks agreed on it before its result is used. A side
-        exchange is checked before the wait (under NCCL a mismatched collective may never finish); an
-        in-band fingerprint arrives with the data, so after it."""
-        if stamp is None and self.checker is not None:
-            self.checker.verify()
+        """Wait for a collective; an in-band fingerprint arrives with the data and is checked before the
+        result is used. Out-of-band fingerprints are compared once per phase and at the end of backward,
+        before any gradient is handed out (consistency.py)."""
         collectives.wait(work, what=self._what(op))
         if stamp is not None:
             self.checker.verify_stamp(stamp, buffer)
@@ -371,6 +369,9 @@ class FlatGroup:
     def accumulate_grad_shard(self, grad_shard: torch.Tensor) -> None:
         """Give each trainable shard parameter its piece of ``grad_shard`` (a view, so grads stay one flat
         buffer), then run its post-accumulate-grad hooks as autograd would have."""
+        if self.checker is not None and any(_post_accumulate_grad_hooks(p) for p in self.shard_params):
+            # Optimizer in backward: a hook may step now, so the ranks agree first (consistency.py).
+            self.checker.agree("the consistency exchange before a post-accumulate-grad hook")
         if grad_shard.dtype != self.plan.dtype or grad_shard.device != self.shard.device:
             grad_shard = grad_shard.to(device=self.shard.device, dtype=self.plan.dtype)
         for p, (lo, hi, at) in zip(self.shard_params, self.local_slices):
@@ -464,8 +465,12 @@ def run_post_accumulate_grad_hooks(p: torch.Tensor) -> None:
     """Hooks from ``p.register_post_accumulate_grad_hook`` (optimizer-in-backward). Autograd runs them from
     its AccumulateGrad node, which shard gradients bypass (they are views of the reduced flat shard), so we
     run them when the gradient is handed out, as torch FSDP2 does. Private attribute
-    ``_post_accumulate_grad_hooks`` (checked on torch 2.11 and 2.13)."""
-    hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+    ``_post_accumulate_grad_hooks`` (checked on torch 2.11 and 2.13), read in ``_post_accumulate_grad_hooks``."""
+    hooks = _post_accumulate_grad_hooks(p)
     if hooks:
         for hook in list(hooks.values()):
             hook(p)
+
+
+def _post_accumulate_grad_hooks(p: torch.Tensor) -> dict | None:
+    return getattr(p, "_post_accumulate_grad_hooks", None)

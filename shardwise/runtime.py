@@ -408,6 +408,7 @@ class ModelRuntime:
         self._recording: list[Unit] = []
         self._on_track = False  # this forward so far matches the recorded order
         self._pending: deque[PendingReduce] = deque()
+        self.checker = None  # consistency.CollectiveChecker, set by shard() when the check is on
 
     # ---- forward order and prefetch ---------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -493,6 +494,8 @@ class ModelRuntime:
             # parameters at the next unshard (also caught by an optimizer-step hook, but not every
             # optimizer is a torch.optim.Optimizer, and this verdict is the same on every rank).
             self.shards_written()
+        if self.checker is not None:
+            self.checker.agree()  # before backward returns: no gradient reaches an optimizer unchecked
         for u in self.units:
             u.owed_backwards = 0
             u.backward_views = u._backward_ticket = None

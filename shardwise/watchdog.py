@@ -36,6 +36,15 @@ Threshold, ``SHARDWISE_STALL_S``:
   work between steps (saving a full state dict, logging) makes the other ranks wait in the next forward's
   all-gather for tens of seconds in healthy runs.
 
+Every rank's line also carries its recent collectives (``consistency._rings``: the last ``RING``
+fingerprints, and the out-of-band log not yet compared), read by the watchdog thread only when a report is
+made: the report shows each rank's last few collectives, names the ranks that are behind (fewest calls),
+and if the logs show two ranks that sent different fingerprints for the same call, the verdict is to raise
+that disagreement, whatever the threshold. Under native collectives (out-of-band logs pending) a wait
+longer than ``PROBE_S`` starts a *quiet probe* (at most one per ``PROBE_EVERY_S`` per rank): the same
+exchange, printed and raised only if it proves a disagreement, so ranks that parted between two compare
+points and hang are named within seconds instead of at the stall threshold.
+
 The verdict is also *report only* when every rank is waiting in the same collective: that one is slow,
 not out of step. Without a store (``_default_store`` below) the report is this rank's own line only.
 """
@@ -63,6 +72,8 @@ SLICE_S = 0.25
 GATHER_S = 5.0
 _SLICE = timedelta(seconds=SLICE_S)
 _KEY = "shardwise/stall"
+PROBE_S = 2.0  # a wait this long, with out-of-band fingerprints not yet compared, starts a quiet probe
+PROBE_EVERY_S = 10.0  # at most one probe per rank this often
 
 What = Union[str, Callable[[], str], None]  # a description, or a function making it when it is needed
 
@@ -102,13 +113,24 @@ class _State:
         self.step_t: Optional[float] = None  # when the last one started
         self.longest = 0.0  # the longest time between two root forwards
         self.reported = 0.0  # when this rank last took part in a report
-        self.abort: Optional[tuple[int, str]] = None  # (wid, report): that wait raises the report
+        self.abort: tuple[int, str, str | None] | None = None  # (wid, report, disagreement): that wait raises
         self.started = False
         self.off = False
         self.stalled: Optional[str] = None  # the wait that raised a stall: every later unfinished wait fails at once
+        self.probed = 0.0  # when this rank last started a probe
 
 
 _state = _State()
+# Set by consistency.py (which imports this module, not the reverse): this rank's recent collectives, as
+# JSON, and the function that reads every rank's of them: (disagreement text or None, lines to print).
+Diagnosis = Callable[[dict], "tuple[str | None, list[str]]"]
+_ring_source: Callable[[], dict] | None = None
+_diagnose: Diagnosis | None = None
+
+
+def set_ring_source(rings: Callable[[], dict], diagnose: Diagnosis) -> None:
+    global _ring_source, _diagnose
+    _ring_source, _diagnose = rings, diagnose
 _start_lock = threading.Lock()
 _wake = threading.Event()  # set by a wait that has just passed the threshold: the watchdog looks at once
 
@@ -215,8 +237,10 @@ def _raise_stall(s: _State, wid: int, what: What, linger_s: float) -> None:
         abort = s.abort
         if abort is not None and abort[0] == wid:
             s.stalled = _text(what)
-            raise ShardwiseError(f"rank {_rank()}: stopped waiting in {_text(what)} after "
-                                 f"{time.monotonic() - s.since:.1f} s. {abort[1]}") from None
+            stopped = f"rank {_rank()}: stopped waiting in {_text(what)} after {time.monotonic() - s.since:.1f} s"
+            if abort[2]:  # the ranks' recent collectives show where they parted: that comes first
+                raise ShardwiseError(f"{abort[2]}. Found by the stall watchdog; {stopped}. {abort[1]}") from None
+            raise ShardwiseError(f"{stopped}. {abort[1]}") from None
         if time.monotonic() >= deadline:
             return
         time.sleep(0.05)
@@ -250,9 +274,21 @@ def _where(s: _State, now: float) -> dict:
     """This rank's line of the report."""
     what, since, wid = s.what, s.since, s.wid
     if what is not None and s.blocking:
-        return {"in": _text(what), "for": round(now - since, 1), "step": s.step, "wid": wid}
-    return {"in": None, "step": s.step, "idle": round(now - s.left, 1), "last": _text(s.last_what)
-            if s.last_what is not None else None}
+        line = {"in": _text(what), "for": round(now - since, 1), "step": s.step, "wid": wid}
+    else:
+        line = {"in": None, "step": s.step, "idle": round(now - s.left, 1), "last": _text(s.last_what)
+                if s.last_what is not None else None}
+    if _ring_source is not None:
+        try:
+            line["rings"] = _ring_source()
+        except (RuntimeError, KeyError, IndexError, TypeError, ValueError) as e:
+            line["rings_failed"] = repr(e)  # the report must not fail for want of the collectives
+    return line
+
+
+def _unchecked(rings: dict | None) -> bool:
+    """Whether this rank has out-of-band fingerprints its peers have not confirmed yet."""
+    return bool(rings) and any(r.get("log_len") for r in rings.values())
 
 
 def _describe(line: Optional[dict]) -> str:
@@ -278,9 +314,13 @@ def _render(report: dict, world: int) -> str:
         head = f"rank {report['by']} reported a stall. Where every rank is:"
     ranks = range(world) if report["by"] is not None else sorted(int(r) for r in lines)
     rows = [f"  rank {r}: {_describe(lines.get(str(r)))}" for r in ranks]
+    rows += [f"  {line}" for line in report.get("collectives", [])]
     if report.get("note"):
         rows.append(f"  ({report['note']})")
-    if report["raise"]:
+    if report.get("diverged"):
+        tail = (f"{report['diverged']}. The ranks waiting in shardwise raise ShardwiseError; the process group "
+                f"is unusable from here on: exit.")
+    elif report["raise"]:
         tail = ("Ranks must issue shardwise's collectives in the same order: a rank that ran fewer forwards "
                 "(generate() stopped early, a skipped batch) or called clip_grad_norm_ / full_state_dict "
                 "alone leaves the others waiting. The ranks waiting in shardwise raise ShardwiseError; their collective "
@@ -323,6 +363,11 @@ class _Watchdog:
         thr, may_raise = threshold()
         stalled = (thr is not None and s.what is not None and s.blocking
                    and now - max(s.since, s.reported) > thr)
+        # A quiet probe: a wait past PROBE_S while out-of-band fingerprints are unconfirmed makes every rank
+        # post its recent collectives; if they show ranks that parted, every waiting rank raises at once.
+        probe = (not stalled and thr is not None and _ring_source is not None and s.what is not None
+                 and s.blocking and now - s.since > min(PROBE_S, thr) and now - s.probed > PROBE_EVERY_S
+                 and _unchecked(_ring_source()))
         store = _default_store()
         rank, world = dist.get_rank(), dist.get_world_size()
         if store is None:
@@ -339,10 +384,12 @@ class _Watchdog:
         # One read-only operation per poll: FileStore appends a record for every write, even add(key, 0).
         started = store.check([f"{_KEY}/{cur}/start"])
         mine = False
-        if stalled and not started:
+        if (stalled or probe) and not started:
             if int(store.add(f"{_KEY}/{cur}/claim", 1)) == 1:
                 store.set(f"{_KEY}/{cur}/start", str(rank))
                 mine = True
+                if probe:
+                    s.probed = now
             else:
                 started = True  # another rank claimed it a moment ago: join that one
         if not (started or mine):
@@ -350,17 +397,20 @@ class _Watchdog:
         line = json.dumps(_where(s, now))
         store.set(f"{_KEY}/{cur}/{rank}", line)
         self.handled = cur
-        s.reported = now
+        reported, s.reported = s.reported, now
         if mine:
-            report = self.collect(store, cur, rank, world, thr, may_raise)
+            report = self.collect(store, cur, rank, world, thr, may_raise, quiet=probe)
             store.set(f"{_KEY}/{cur}/report", json.dumps(report))
             if report["raise"]:
                 time.sleep(0.5)  # before this rank raises (and exits, maybe with the store): let the others read it
         else:
             report = self.receive(store, cur, rank, line)
+        if report.get("quiet"):
+            s.reported = reported  # a probe that found nothing does not postpone the stall report
         self.finish(report, rank, world)
 
-    def collect(self, store, ep: int, rank: int, world: int, thr: float, may_raise: bool) -> dict:
+    def collect(self, store, ep: int, rank: int, world: int, thr: float, may_raise: bool,
+                quiet: bool = False) -> dict:
         keys = [f"{_KEY}/{ep}/{r}" for r in range(world)]
         deadline = time.monotonic() + GATHER_S
         while not store.check(keys) and time.monotonic() < deadline:
@@ -372,7 +422,15 @@ class _Watchdog:
             why = f"no step timed yet on rank {rank} ({ENV} unset)"
         elif len(lines) == world and len(waiting) == 1 and None not in waiting:
             may_raise, why = False, "every rank is in this same collective (slow, not out of step)"
-        return {"by": rank, "thr": thr, "raise": may_raise, "lines": lines, "why": why}
+        report = {"by": rank, "thr": thr, "raise": may_raise, "lines": lines, "why": why}
+        if _diagnose is not None:
+            diverged, report["collectives"] = _diagnose({int(r): line.get("rings") for r, line in lines.items()})
+            if diverged:
+                report.update(diverged=diverged, quiet=False)
+                report["raise"] = True  # proven, not suspected: raise whatever the threshold
+                return report
+        report["quiet"] = quiet  # a probe that proved nothing prints nothing
+        return report
 
     def receive(self, store, ep: int, rank: int, line: str) -> dict:
         key = f"{_KEY}/{ep}/report"
@@ -385,12 +443,14 @@ class _Watchdog:
         return json.loads(store.get(key))
 
     def finish(self, report: dict, rank: int, world: int) -> None:
+        if report.get("quiet"):
+            return
         text = _render(report, world)
         mine = report["lines"].get(str(rank))
         s = _state
         if report["raise"] and mine is not None and mine.get("in") is not None and s.what is not None \
                 and s.wid == mine["wid"]:
-            s.abort = (mine["wid"], text)  # that wait raises it (if it is still the one in progress)
+            s.abort = (mine["wid"], text, report.get("diverged"))  # that wait raises it (if still in progress)
         block = "\n".join(f"[shardwise rank {rank}] {row}" for row in ["stall report:", *text.split("\n")])
         try:
             sys.stderr.write(block + "\n")

@@ -1,6 +1,7 @@
 """Ranks that disagree about what they communicate fail fast, on every rank, with the culprit named."""
 
 import os
+import re
 import time
 
 import pytest
@@ -211,3 +212,139 @@ def test_in_band_fingerprint_digits_survive_every_float_dtype(dtype):
     digits = torch.tensor(_encode(values), dtype=dtype) + torch.zeros(SLOT, dtype=dtype)
     assert len(digits) == SLOT
     assert _decode(digits.to(torch.int64).tolist()) == values
+
+
+# ---- native collectives: fingerprints out of band, compared once per phase and at the end of backward ----
+NATIVE = {"SHARDWISE_GLOO_NATIVE_COLLECTIVES": "1", "SHARDWISE_STALL_S": "4"}
+
+
+def _native_case(rank: int, world: int, scenario: str, out_dir: str) -> dict:
+    """One scenario on a fresh model after one healthy step (SGD with momentum). Returns the error text (or
+    None), whether the optimizer was reached after the divergent backward, and whether every parameter is
+    still what the healthy step left."""
+    from shardwise.api import runtime_of
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    shardwise.shard(model, units={Block})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(rank))
+    model(x, x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    shards = [g.shard for u in runtime_of(model).units for g in u.groups]  # what the optimizer updates
+    before = [t.clone() for t in shards]
+    reached_optimizer = False
+    start = time.monotonic()
+    try:
+        if scenario == "extra_forward":  # the last rank runs one forward more
+            loss = model(x, x).loss
+            if rank == world - 1:
+                loss = loss + model(x, x).loss
+            loss.backward()
+        elif scenario == "skipped_backward":  # rank 0 skips one backward
+            loss = model(x, x).loss
+            if rank != 0:
+                loss.backward()
+            model(x, x).loss.backward()
+        elif scenario == "different_order":  # rank 1 swaps two blocks: same sizes, different units
+            order = [0, 1, 2] if rank != 1 else [0, 2, 1]
+            h = torch.randn(2, 16, CFG.n_embd, generator=torch.Generator().manual_seed(0))
+            for i in order:
+                h = model.blocks[i](h)
+            h.sum().backward()
+        elif scenario == "different_sizes":  # rank 1 calls the head's unit (the root), the others a block
+            h = torch.randn(2, 16, CFG.n_embd)
+            (model.lm_head(h) if rank == 1 else model.blocks[0](h)).sum().backward()
+        elif scenario == "mixed_gradients":
+            # Rank 1's reduce-scatter of the root carries blocks.0's fingerprint: the data collective itself
+            # completes (same sizes), so only the compare at the end of backward can see it.
+            checker = runtime_of(model).checker
+            original = checker.check
+            checker.check = lambda op, unit, group, numel: original(
+                op, 0 if (rank == 1 and op == "reduce_scatter" and unit == 3) else unit, group, numel)
+            model(x, x).loss.backward()
+        elif scenario == "one_rank_no_sync":  # rank 0 accumulates, the others reduce: met only by the watchdog
+            if rank == 0:
+                with shardwise.no_sync(model):
+                    model(x, x).loss.backward()
+            else:
+                model(x, x).loss.backward()
+        elif scenario == "never_arrives":  # the last rank stays away (user code) while the others step
+            if rank == world - 1:
+                done = os.path.join(out_dir, "done")
+                while not os.path.exists(done) and time.monotonic() - start < 40:
+                    time.sleep(0.1)
+            else:
+                try:
+                    model(x, x).loss.backward()
+                finally:
+                    if rank == 0:
+                        open(os.path.join(out_dir, "done"), "w").close()
+        reached_optimizer = True
+        opt.step()
+        error = None
+    except shardwise.ShardwiseError as e:
+        error = str(e)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, shards))
+    return {"error": error, "reached_optimizer": reached_optimizer, "unchanged": unchanged,
+            "seconds": time.monotonic() - start}
+
+
+def _native_world(rank: int, world: int, scenarios: list[str], out_dir: str) -> dict:
+    """Scenarios caught by the compare leave the process group usable (no data collective was issued
+    mismatched), so they share one world; the last one may leave it stuck."""
+    return {s: _native_case(rank, world, s, out_dir) for s in scenarios}
+
+
+def _assert_first_difference(error: str, at: dict[int, str]) -> None:
+    assert error.startswith("ranks disagree about the next collective"), error
+    for rank, what in at.items():
+        assert re.search(rf"ranks \[[^\]]*\b{rank}\b[^\]]*\] are at {re.escape(what)}", error), (rank, what, error)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_native_collectives_divergences_are_named_before_any_gradient_reaches_the_optimizer(world, tmp_path):
+    """gloo's own all-gather / reduce-scatter (fingerprints out of band, no per-collective exchange): every
+    divergence the per-collective check caught is caught, by the per-phase compare or at the end of backward,
+    before the optimizer runs, with the first differing collective and the ranks named on every rank. At
+    world size 3 a rank that never arrives is named by the watchdog, with its last collectives."""
+    compare = ["extra_forward", "skipped_backward", "different_order", "different_sizes", "mixed_gradients"]
+    last = "one_rank_no_sync" if world == 2 else "never_arrives"
+    scenarios = compare[:2] + (compare[2:] if world == 2 else []) + [last]
+    results = run_distributed(_native_world, world, scenarios, str(tmp_path), timeout_s=60, env=NATIVE,
+                              allow_errors=True)
+    stuck = [r for r in results if isinstance(r, RankError)]
+    assert not stuck, stuck
+    for scenario in scenarios:
+        for rank, res in enumerate(results):
+            case = res[scenario]
+            if scenario == "never_arrives" and rank == world - 1:
+                continue  # it was away, in user code
+            assert case["error"], (scenario, rank, case)
+            assert not case["reached_optimizer"] and case["unchanged"], (scenario, rank, case)
+            assert case["seconds"] < 30, (scenario, rank, case)  # the collective timeout is 60 s
+    errors = {s: [res[s]["error"] for res in results] for s in scenarios}
+    ahead = world - 1
+    for e in errors["extra_forward"]:
+        _assert_first_difference(e, {ahead: "all_gather of unit 'blocks.0'", 0: "all_gather of unit 'blocks.2'"})
+        assert "forward" in e and "backward" in e
+    for e in errors["skipped_backward"]:
+        _assert_first_difference(e, {0: "all_gather of unit 'blocks.0'"})
+        assert "all_gather of unit 'blocks.2'" in e
+    if world == 2:
+        for e in errors["different_order"]:
+            _assert_first_difference(e, {0: "all_gather of unit 'blocks.1'", 1: "all_gather of unit 'blocks.2'"})
+        for e in errors["different_sizes"]:  # named before gloo could abort on the sizes
+            _assert_first_difference(e, {0: "all_gather of unit 'blocks.0'", 1: "all_gather of unit '<root>'"})
+        for e in errors["mixed_gradients"]:
+            _assert_first_difference(e, {0: "reduce_scatter of unit '<root>'", 1: "reduce_scatter of unit 'blocks.0'"})
+        for e in errors["one_rank_no_sync"]:  # found by the watchdog's probe of every rank's recent collectives
+            assert e.startswith("ranks disagree about the next collective"), e
+            assert "Found by the stall watchdog" in e and "reduce_scatter of unit" in e, e
+    else:
+        for e in errors["never_arrives"][:2]:
+            assert "stopped waiting in the consistency exchange before all_gather of unit '<root>'" in e, e
+            assert "rank 2: outside shardwise since step" in e, e
+            assert re.search(r"ranks \[2\] are behind: their last collective is call \d+", e), e
+            assert "rank 2's last collectives: " in e and "reduce_scatter of unit '<root>'" in e, e
