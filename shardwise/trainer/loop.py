@@ -72,12 +72,20 @@ def build_sharded_model(cfg: TrainConfig, spec: ModelSpec, device: torch.device)
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over the local shards; weight decay only on shards of matrices (judged by the original shape,
-    since every shard is 1-D)."""
+    """AdamW (or Muon + AdamW) over the local shards; weight decay only on shards of matrices (judged by the
+    logical shape, since every shard is 1-D)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (decay if shardwise.param_info(p).ndim >= 2 else no_decay).append(p)
+    if cfg.optimizer == "muon":
+        from shardwise.optim import Muon
+
+        # Moonshot's lr scaling makes Muon's update RMS match AdamW's, so AdamW's lr and weight decay carry over.
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay, "adamw_weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0, "adamw_weight_decay": 0.0}]
+        return Muon(groups, lr=cfg.lr, adjust_lr_fn="match_rms_adamw", adamw_lr=cfg.lr,
+                    adamw_betas=(cfg.adam_beta1, cfg.adam_beta2))
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
 
