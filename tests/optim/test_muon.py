@@ -52,7 +52,7 @@ def _micro_steps(model, loss_fn, x, y, take, micro: int) -> torch.Tensor:
     for k, (xm, ym) in enumerate(zip(xs, ys)):
         sync = k == micro - 1 or not hasattr(model, "_shardwise")
         with shardwise.no_sync(model) if not sync else _null():
-            loss = loss_fn(model, xm, ym) / micro
+            loss = loss_fn(model, xm, ym) * (len(xm) / len(take(x)))  # chunks may be unequal (3 rows in 2)
             loss.backward()
         total = total + loss.detach()
     return total
