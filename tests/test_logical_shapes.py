@@ -48,8 +48,11 @@ def _worker(rank: int, world_size: int) -> dict:
         assert shardwise.num_parameters(model) == sum(t.numel() for t in full.values())
         assert shardwise.num_parameters(model, only_trainable=True) == sum(
             p.numel() for n, p in full.items() if dict(factory().named_parameters())[n].requires_grad)
-        cfg = types.SimpleNamespace(weight_decay=0.1, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95)
+        cfg = types.SimpleNamespace(weight_decay=0.1, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, optimizer="adamw")
         decay = {id(p) for p in build_optimizer(model, cfg).param_groups[0]["params"]}
+        muon = build_optimizer(model, types.SimpleNamespace(**{**vars(cfg), "optimizer": "muon"}))
+        on_muon = {id(p) for g in muon.param_groups if g["use_muon"] for p in g["params"]}
+        assert on_muon and on_muon <= decay, f"{name}: the trainer's Muon took a non-matrix or nothing"
         decayed = sorted(n for n, p in model.named_parameters() if id(p) in decay)
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         assert decayed == sorted(n for n in trainable if full[n].dim() >= 2), (name, decayed)
@@ -67,8 +70,8 @@ def _report(world_size: int) -> list[dict]:
     return run_distributed(_worker, world_size)
 
 
-@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.slow), 2, 3,
-                                        pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [pytest.param(w, marks=pytest.mark.slow) for w in (1, 2)] + [3] +
+                         [pytest.param(4, marks=pytest.mark.slow)])
 def test_param_info_names_shapes_and_ranges_match_the_unsharded_model(world_size):
     """Every rank sees the full model's names and shapes (including trainer's decay grouping by shape); the
     ranks' element ranges tile every parameter exactly once, in rank order."""

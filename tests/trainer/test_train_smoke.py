@@ -25,7 +25,8 @@ def _records(out):
         return {r["step"]: r for r in map(json.loads, f)}
 
 
-@pytest.mark.parametrize("mixed_precision,optimizer", [("no", "adamw"), ("fp16", "adamw"), ("no", "muon")])
+@pytest.mark.parametrize("mixed_precision,optimizer", [("no", "adamw"), ("fp16", "adamw"),
+                                                       pytest.param("no", "muon", marks=pytest.mark.slow)])
 def test_resume_continues_bit_for_bit(tmp_path, mixed_precision, optimizer):
     """fp16 also restores the loss scale: a resumed run that restarted from the initial scale would skip
     or scale differently and drift. Muon's momentum and its AdamW moments come back the same way."""
