@@ -7,6 +7,7 @@ from shardwise.full_params import register_forward_method, summon_full_params
 from shardwise.grad_scaler import ShardedGradScaler
 from shardwise.mixed_precision import MixedPrecision
 from shardwise.offload import CPUOffload
+from shardwise.logical_shapes import ParamInfo, named_param_infos, num_parameters, param_info
 from shardwise.state_dict import full_state_dict, load_full_state_dict
 from shardwise.strategy import Strategy
 
@@ -29,5 +30,9 @@ __all__ = [
     "CPUOffload",
     "Strategy",
     "ShardwiseError",
+    "ParamInfo",
+    "param_info",
+    "named_param_infos",
+    "num_parameters",
     "__version__",
 ]

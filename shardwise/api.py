@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise import collectives, device as devices, materialize
+from shardwise import collectives, device as devices, logical_shapes, materialize
 from shardwise.buffers import BufferBroadcast
 from shardwise.checkpointing import checkpoint_unit
 from shardwise.consistency import CollectiveChecker, check_same_plan, checks_enabled
@@ -84,6 +84,7 @@ def shard(
                                      all_reduce_grads=strategy.all_reduces_grads)
                    for gp in plan.groups()}
     all_groups = list(flat_groups.values())
+    logical_shapes.register(all_groups)  # shardwise.param_info(p): each shard parameter's logical shape
 
     if sync_module_states:
         materialize.fill_from_rank0(model, all_groups, compute_device)

@@ -62,6 +62,9 @@ class TrainConfig:
     """AdamW beta1."""
     adam_beta2: float = 0.95
     """AdamW beta2."""
+    optimizer: str = "adamw"
+    """adamw, or muon: shardwise.optim.Muon for the blocks' matrices (exact on shards; adjust_lr_fn
+    match_rms_adamw, so lr and weight_decay carry over from AdamW), AdamW for embeddings, head, norms, biases."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping; the norm is still logged)."""
     seed: int = 0
@@ -119,6 +122,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "auto_wrap": ("transformer_based_wrap", "no_wrap"),
     "mixed_precision": ("no", "bf16", "fp16"),
     "lr_schedule": ("cosine", "constant"),
+    "optimizer": ("adamw", "muon"),
     "backend": ("auto", "gloo", "nccl"),
 }
 

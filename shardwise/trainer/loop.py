@@ -29,7 +29,6 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import shardwise
-from shardwise.api import runtime_of
 from shardwise.device import compute_device
 from shardwise.trainer import config as config_mod
 from shardwise.trainer import failures, launch, metrics, plot, preflight, schedule, state
@@ -73,14 +72,20 @@ def build_sharded_model(cfg: TrainConfig, spec: ModelSpec, device: torch.device)
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over the local shards; weight decay only on shards of matrices (judged by the original shape,
-    since every shard is 1-D)."""
+    """AdamW (or Muon + AdamW) over the local shards; weight decay only on shards of matrices (judged by the
+    logical shape, since every shard is 1-D)."""
     decay, no_decay = [], []
-    for unit in runtime_of(model).units:
-        for group in unit.groups:
-            for spec, p in zip(group.plan.params, group.shard_params):
-                if p.requires_grad:
-                    (decay if len(spec.shape) >= 2 else no_decay).append(p)
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if shardwise.param_info(p).ndim >= 2 else no_decay).append(p)
+    if cfg.optimizer == "muon":
+        from shardwise.optim import Muon
+
+        # Moonshot's lr scaling makes Muon's update RMS match AdamW's, so AdamW's lr and weight decay carry over.
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay, "adamw_weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0, "adamw_weight_decay": 0.0}]
+        return Muon(groups, lr=cfg.lr, adjust_lr_fn="match_rms_adamw", adamw_lr=cfg.lr,
+                    adamw_betas=(cfg.adam_beta1, cfg.adam_beta2))
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
 
@@ -119,7 +124,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     check_model_fits_data(cfg, spec, max(train_data.max_token(), val_data.max_token()))
 
     model = build_sharded_model(cfg, spec, device)
-    num_params = sum(s.numel for s in runtime_of(model).plan.params())
+    num_params = shardwise.num_parameters(model)
     optimizer = build_optimizer(model, cfg)
     # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
     scaler = shardwise.ShardedGradScaler() if cfg.mixed_precision == "fp16" else None

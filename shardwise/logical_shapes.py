@@ -1,0 +1,82 @@
+"""Logical shapes of sharded parameters: what a 1-D shard parameter *is* in the unsharded model.
+
+After ``shardwise.shard()`` every parameter is a 1-D piece of its flat group's shard, so code that looks at
+``p.shape`` or ``p.dim()`` (weight-decay groups, Muon, parameter counts) sees the wrong thing. The sharding
+plan already knows each parameter's full name and shape and where this rank's piece sits in it
+(``ParamSpec`` + ``FlatGroup.local_slices``); this module only exposes that, it recomputes nothing.
+
+    info = shardwise.param_info(p)     # ParamInfo(name='blocks.0.attn.c_attn.weight', shape=(75, 25), ...)
+    p  ==  full_param.reshape(-1)[info.offset : info.offset + info.local_numel]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from shardwise.errors import ShardwiseError
+
+_WHERE_ATTR = "_shardwise_where"  # on each shard parameter: (FlatGroup, index of the parameter in its plan)
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One sharded parameter as the unsharded model has it, and this rank's piece of it.
+
+    ``name``: its first registered name (``model.named_parameters()``'s); ``names``: every name it has (tied
+    weights have several). ``shape``: the full logical shape. ``offset``/``local_numel``: this rank holds
+    elements ``[offset, offset + local_numel)`` of the flattened full parameter (``local_numel`` may be 0).
+    Within a shard group the pieces of the ranks, in shard-rank order, tile the parameter exactly once."""
+
+    name: str
+    names: tuple[str, ...]
+    shape: torch.Size
+    offset: int
+    local_numel: int
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def register(groups) -> None:
+    """Let each shard parameter of ``groups`` (FlatGroups) find its place in the plan (called by ``shard``)."""
+    for g in groups:
+        for i, p in enumerate(g.shard_params):
+            setattr(p, _WHERE_ATTR, (g, i))
+
+
+def layout_of(p: torch.Tensor):
+    """``(FlatGroup, index)`` of a shard parameter; a ShardwiseError for any other tensor."""
+    where = getattr(p, _WHERE_ATTR, None)
+    if where is None:
+        raise ShardwiseError(f"a parameter of shape {tuple(p.shape)} is not a shardwise shard parameter: take "
+                             f"parameters from model.parameters() after shardwise.shard(model)")
+    return where
+
+
+def param_info(p: torch.Tensor) -> ParamInfo:
+    """The logical name, full shape and this rank's element range of shard parameter ``p``."""
+    group, i = layout_of(p)
+    spec = group.plan.params[i]
+    lo, hi, _ = group.local_slices[i]
+    return ParamInfo(spec.fqn, tuple(r.fqn for r in spec.refs), torch.Size(spec.shape), lo, hi - lo)
+
+
+def named_param_infos(model: nn.Module) -> Iterator[tuple[str, ParamInfo]]:
+    """``(name, ParamInfo)`` for every parameter of a sharded ``model``, in ``named_parameters()`` order."""
+    for name, p in model.named_parameters():
+        yield name, param_info(p)
+
+
+def num_parameters(model: nn.Module, only_trainable: bool = False) -> int:
+    """Element count of the full (unsharded) model, the same on every rank (HF's ``num_parameters()``
+    counts this rank's shards). Tied parameters count once."""
+    return sum(param_info(p).numel for p in model.parameters() if p.requires_grad or not only_trainable)
