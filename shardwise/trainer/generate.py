@@ -158,13 +158,18 @@ def from_run(path: Path, tokenizer: str, chat: bool) -> Generator:
     from shardwise.trainer.config import TrainConfig, load_toml
     from shardwise.trainer.jsonl_data import tokenizer_dir
     from shardwise.trainer.loop import build_sharded_model
-    from shardwise.trainer.model_factory import lm_logits, resolve_model
+    from shardwise.trainer.model_factory import ModelError, lm_logits, resolve_model
 
     run_dir = _run_config_dir(path)
     values, _ = load_toml(str(run_dir / "config.toml"))
     cfg = dataclasses.replace(TrainConfig(**values), mixed_precision="no", cpu_offload=False,
                               activation_checkpointing=False, sharding_strategy="full_shard")
-    spec = resolve_model(cfg.model)
+    try:
+        spec = resolve_model(cfg.model)
+    except ModelError as e:
+        hint = "" if os.path.isabs(cfg.model) else (" (a relative path in config.toml is relative to the directory "
+                                                    "`shardwise train` ran in: run generate from there)")
+        raise ShardwiseError(f"{run_dir / 'config.toml'}: model {cfg.model!r}: {e}{hint}") from None
     checkpoint = resolve_checkpoint(path)
     model = build_sharded_model(cfg, spec, torch.device("cpu"))
     load_checkpoint(checkpoint, model)
