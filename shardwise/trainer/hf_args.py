@@ -24,8 +24,7 @@ FSDP_WORDS = FSDP_STRATEGIES + ("offload", "auto_wrap")
 MIXED_PRECISION_FLAGS = ("bf16", "fp16")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 # HF names accepted, for messages (the aliases live in config.ALIASES).
-ACCEPTED = ("--model_name_or_path", "--model_name", "--train_file", "--dataset", "--fsdp", "--fsdp_config keys "
-            "(fsdp_sharding_strategy, ...)", "--per_device_train_batch_size", "--gradient_accumulation_steps",
+ACCEPTED = ("--model_name_or_path", "--model_name", "--train_file", "--dataset", "--fsdp", "--fsdp_sharding_strategy (and Accelerate's fsdp_* keys)", "--per_device_train_batch_size", "--gradient_accumulation_steps",
             "--gradient_checkpointing", "--bf16", "--fp16", "--learning_rate", "--max_steps", "--output_dir",
             "--logging_steps", "--save_steps", "--eval_steps", "--warmup_steps", "--weight_decay", "--seed",
             "--max_grad_norm", "--adam_beta1", "--adam_beta2", "--resume_from_checkpoint")

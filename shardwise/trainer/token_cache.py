@@ -93,8 +93,8 @@ def _build(tok, data: str, val_fraction: float, out: Path, progress: bool) -> di
     every = max(2, round(1 / val_fraction))
     files = jsonl_data.jsonl_files(data)
     files_open = contextlib.ExitStack()
-    handles = {s: (files_open.enter_context(open(out / f"{s}.tokens", "wb")),
-                   files_open.enter_context(open(out / f"{s}.mask", "wb"))) for s in SPLITS}
+    handles = {s: tuple(files_open.enter_context((out / f"{s}.{part}").open("wb")) for part in ("tokens", "mask"))
+               for s in SPLITS}
     pending: dict[str, tuple[list[int], list[int]]] = {s: ([], []) for s in SPLITS}
     counts = {"records": {s: 0 for s in SPLITS}, "tokens": {s: 0 for s in SPLITS}, "loss_tokens": {s: 0 for s in SPLITS},
               "kinds": {k: 0 for k in jsonl_data.KINDS}}

@@ -39,8 +39,8 @@ def test_mixed_precision_flags(argv, precision):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--fsdp", "full_shard wrap_everything"], "--fsdp 'full_shard wrap_everything': unknown word 'wrap_everything'; "
-                                               "valid: full_shard, shard_grad_op, hybrid_shard"),
+    (["--fsdp", "full_shard wrap_everything"],
+     "--fsdp 'full_shard wrap_everything': unknown word 'wrap_everything'; valid: full_shard, shard_grad_op"),
     (["--fsdp", "full_shard shard_grad_op"], "names 2 strategies"),
     (["--fsdp"], "--fsdp needs a value"),
     (["--bf16=maybe"], "--bf16='maybe' is not valid; expected true or false"),

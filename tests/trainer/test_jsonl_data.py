@@ -10,10 +10,16 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
 from hf_dirs import make_tokenizer
+
 from shardwise.trainer import jsonl_data, token_cache
-from shardwise.trainer.data import IGNORE_INDEX, DataError, PackedSampler, Piece, TokenStream
+from shardwise.trainer.data import (
+    IGNORE_INDEX,
+    DataError,
+    PackedSampler,
+    Piece,
+    TokenStream,
+)
 
 CHAT = [{"role": "system", "content": "Be polite."}, {"role": "user", "content": "what is two plus two?"},
         {"role": "assistant", "content": "four."}, {"role": "user", "content": "and the fox?"},
@@ -116,8 +122,8 @@ def test_cache_is_reused_and_rebuilt_when_inputs_change(tmp_path, tok_dir, tok):
     splits = token_cache.open_cache(first)
     for name, picked in (("train", [0, 1, 2, 4, 5, 6, 8]), ("val", [3, 7])):
         tokens, mask = splits[name]
-        assert tokens.read(0, len(tokens)).tolist() == sum((encoded[i][0] for i in picked), [])
-        assert mask.read(0, len(mask)).tolist() == sum((encoded[i][1] for i in picked), [])
+        assert tokens.read(0, len(tokens)).tolist() == [t for i in picked for t in encoded[i][0]]
+        assert mask.read(0, len(mask)).tolist() == [m for i in picked for m in encoded[i][1]]
     # Another split, other data, another tokenizer: another cache directory; nothing half-written left.
     other_split = token_cache.ensure_cache(str(data), tok_dir, 0.5, run, progress=False)
     _write(data, records[:-1])

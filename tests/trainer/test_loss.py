@@ -4,16 +4,20 @@ them each rank and micro-batch holds, so training matches a single process on th
 from contextlib import nullcontext
 
 import torch
-
 from harness import run_distributed
 
 
 def _masked_parity_worker(rank, world):
-    import shardwise
     from parity_utils import assert_parity, is_sharded, parity_check
+
+    import shardwise
     from shardwise.models.gpt import GPT, Block, GPTConfig
     from shardwise.trainer.data import IGNORE_INDEX
-    from shardwise.trainer.loss import global_loss_targets, loss_targets, micro_batch_loss
+    from shardwise.trainer.loss import (
+        global_loss_targets,
+        loss_targets,
+        micro_batch_loss,
+    )
     from shardwise.trainer.model_factory import ModelSpec
 
     # No biases: the attention key bias has a gradient that is zero in theory, which AdamW turns from

@@ -16,7 +16,7 @@ CHAT = [{"role": "user", "content": "what is two plus two?"}, {"role": "assistan
 def _shardwise(*args, cwd):
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "shardwise", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, check=False)
 
 
 def test_hf_command_line_trains_on_jsonl_and_generate_reads_run_and_export(tmp_path, capsys, monkeypatch):
