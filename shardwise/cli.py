@@ -1,4 +1,5 @@
-"""The ``shardwise`` command (also ``python -m shardwise``): ``train``, ``estimate-memory``, ``export``.
+"""The ``shardwise`` command (also ``python -m shardwise``): ``train``, ``estimate-memory``, ``export``,
+``generate``.
 
 Every failure a user can cause ends here as one line on stderr, ``shardwise <command>: error: ...``,
 naming the option or file and what is valid, with a non-zero exit status (2 for a bad command line, 1
@@ -24,6 +25,7 @@ commands:
                     (no options: 2 local ranks, a small GPT, the Python standard library as text)
   estimate-memory   per-rank memory plan of a configuration, from the real sharding plan (no processes)
   export            write a full model from a checkpoint (safetensors / Hugging Face layout)
+  generate          sample text from a run directory, a checkpoint or an export (one process)
 
 `shardwise <command> --help` lists each command's options; --debug shows tracebacks."""
 
@@ -155,7 +157,15 @@ def export_main(argv: Sequence[str]) -> int:
     return int(run_export(list(argv)) or 0)
 
 
-COMMANDS = {"train": train_main, "estimate-memory": estimate_main, "export": export_main}
+def generate_main(argv: Sequence[str]) -> int:
+    from shardwise.trainer.generate import generate_main as run_generate, make_parser
+
+    parser = make_parser()
+    parser.error = _raise_usage  # type: ignore[method-assign]
+    return run_generate(argv, parser)
+
+
+COMMANDS = {"train": train_main, "estimate-memory": estimate_main, "export": export_main, "generate": generate_main}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

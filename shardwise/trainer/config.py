@@ -35,7 +35,9 @@ class TrainConfig:
     Face causal-LM config.json (Llama, Qwen2, Mistral, GPT-2, ...), built with random weights."""
     data: str = "stdlib"
     """'stdlib' (this Python's own standard-library .py sources, byte-level, nothing downloaded), a text file,
-    a directory of text files, or a .bin file of uint16 token ids (nanoGPT format)."""
+    a directory of text files, a .bin file of uint16 token ids (nanoGPT format), or a .jsonl file (or a
+    directory of them) of {"text"}, {"prompt", "completion"} or {"messages"} records, tokenised with --model
+    DIR's tokenizer, loss on completions / assistant turns only."""
     val_fraction: float = 0.05
     """Share of the data held out for validation (whole files for 'stdlib' and directories)."""
 
@@ -144,6 +146,11 @@ ALIASES: dict[str, str] = {
     "resume_from_checkpoint": "resume",
     "warmup": "warmup_steps",
     "nproc_per_node": "nproc",
+    # HF run_clm.py / TRL (``--fsdp``, ``--bf16``, ``--fp16`` are rewritten by ``hf_args``)
+    "model_name_or_path": "model",
+    "model_name": "model",
+    "train_file": "data",
+    "dataset": "data",
 }
 
 # Inclusive integer ranges. The upper bounds are where a value stops making sense on any machine (and, for
@@ -187,7 +194,12 @@ def canonical_key(key: str) -> str:
         spell = (lambda n: "--" + n.replace("_", "-")) if key.startswith("--") else (lambda n: n)
         close = difflib.get_close_matches(k, list(names), n=1)
         hint = f" (did you mean {spell(close[0])!r}?)" if close else ""
-        raise ConfigError(f"unknown config key {key!r}{hint}; valid keys: {', '.join(spell(n) for n in names)}")
+        hf = ""
+        if "_" in key.lstrip("-") and key.startswith("--"):  # spelled the Hugging Face way
+            from shardwise.trainer.hf_args import accepted_text
+
+            hf = f"; {accepted_text()}"
+        raise ConfigError(f"unknown config key {key!r}{hint}; valid keys: {', '.join(spell(n) for n in names)}{hf}")
     return k
 
 
@@ -314,12 +326,15 @@ def load_toml(path: str) -> tuple[dict[str, Any], dict[str, str]]:
 
 
 def parse_overrides(argv: Sequence[str]) -> tuple[Optional[str], dict[str, Any]]:
-    """``--config F --key value --flag --no-flag --key=value`` -> (config path, {field: value})."""
+    """``--config F --key value --flag --no-flag --key=value`` -> (config path, {field: value}). Hugging Face
+    Trainer spellings (``--fsdp 'full_shard auto_wrap'``, ``--bf16``) are translated first (``hf_args``)."""
+    from shardwise.trainer.hf_args import translate
+
     fields = _fields()
     config_path: Optional[str] = None
     values: dict[str, Any] = {}
     i = 0
-    argv = list(argv)
+    argv = translate(argv)
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or arg == "--":

@@ -10,6 +10,8 @@ Sources (all byte-level unless a .bin of token ids is given):
   whole library instead of the validation set being, say, all of ``xml/``.
 - a directory: its text files, the same way; a single text file: its last ``val_fraction`` bytes;
 - a ``.bin`` file of uint16 token ids (nanoGPT's format), memory-mapped: its last ``val_fraction`` tokens.
+- a ``.jsonl`` file (or a directory holding .jsonl files): records tokenised with the model's tokenizer into a
+  cache with a loss mask (``jsonl_data``, ``token_cache``), read by ``PackedSampler``; ``sources`` picks.
 """
 
 from __future__ import annotations
@@ -141,6 +143,8 @@ class BatchSampler:
     ``(seed, stream_id, step, micro, rank)``: no state, so resuming is exact.
     """
 
+    masked = False  # every target is in the loss
+
     def __init__(self, stream: TokenStream, seq_len: int, batch_size: int, rank: int, world_size: int,
                  seed: int, stream_id: int = 0, whole: bool = False):
         lo, hi = (0, len(stream)) if whole else rank_bounds(len(stream), rank, world_size)
@@ -171,3 +175,71 @@ class BatchSampler:
         """The same ``count`` batches every time (validation): seeded by the micro index only."""
         for i in range(count):
             yield self.batch(step=0, micro=i)
+
+
+IGNORE_INDEX = -100  # a target the loss skips (torch's cross_entropy default ignore_index)
+
+
+class PackedSampler:
+    """Batches of packed sequences from a token stream and its loss mask (.jsonl data, ``token_cache``).
+
+    The stream (documents joined by EOS) is cut into chunks of ``seq_len + 1`` tokens that overlap by one, so
+    every token is a target exactly once per epoch; chunk ``c`` is tokens ``[c * seq_len, (c + 1) * seq_len]``.
+    This rank owns a contiguous range of the chunks (``rank_bounds``) and reads only those tokens. Targets
+    whose token is outside the loss (mask 0: prompts, user turns) are ``IGNORE_INDEX``.
+
+    Order: micro-batch ``micro`` of step ``step`` is the ``k = (step - 1) * micro_batches + micro``-th batch
+    of this rank's chunks taken in the order of a permutation drawn per epoch from ``(seed, stream_id, rank,
+    epoch)``; each chunk is seen once per epoch. A batch is a pure function of those numbers, so a resumed
+    run (same seed, world size and accumulation) draws exactly the batches of an unbroken one.
+    """
+
+    masked = True  # targets may be IGNORE_INDEX: the loss is normalised by the global count of the others
+
+    def __init__(self, tokens: TokenStream, mask: TokenStream, seq_len: int, batch_size: int, rank: int,
+                 world_size: int, seed: int, stream_id: int = 0, micro_batches: int = 1):
+        total_chunks = max(len(tokens) - 1, 0) // seq_len
+        lo, hi = rank_bounds(total_chunks, rank, world_size)
+        if hi - lo < 1:
+            what = "the validation split" if stream_id else "this rank's share of the training data"
+            raise DataError(f"{what} has {len(tokens)} tokens in all, less than one sequence of --seq-len + 1 = "
+                            f"{seq_len + 1} per rank; use more data, fewer ranks or a shorter --seq-len")
+        span = (lo * seq_len, hi * seq_len + 1)
+        self.tokens = torch.from_numpy(tokens.read(*span).astype(np.int64))
+        keep = torch.from_numpy(mask.read(*span).astype(np.bool_))
+        self.targets = torch.where(keep[1:], self.tokens[1:], IGNORE_INDEX)
+        self.num_chunks = hi - lo
+        self.seq_len, self.batch_size, self.micro_batches = seq_len, batch_size, micro_batches
+        self.rank, self.seed, self.stream_id = rank, seed, stream_id
+        self._order: tuple[int, np.ndarray] = (-1, np.zeros(0, dtype=np.int64))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    def max_token(self) -> int:
+        return int(self.tokens.max())
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if self._order[0] != epoch:
+            rng = np.random.default_rng([self.seed, self.stream_id, self.rank, epoch])
+            self._order = (epoch, rng.permutation(self.num_chunks))
+        return self._order[1]
+
+    def _gather(self, chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = chunks[:, None] * self.seq_len + torch.arange(self.seq_len)  # (B, T)
+        return self.tokens[idx], self.targets[idx]
+
+    def batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), both (batch_size, seq_len) int64; ``step`` counts from 1."""
+        first = ((step - 1) * self.micro_batches + micro) * self.batch_size
+        chunks = []
+        for position in range(first, first + self.batch_size):
+            epoch, i = divmod(position, self.num_chunks)
+            chunks.append(int(self._epoch_order(epoch)[i]))
+        return self._gather(torch.tensor(chunks, dtype=torch.int64))
+
+    def fixed_batches(self, count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The same ``count`` batches every time (validation): the chunks in stored order, wrapping around."""
+        for i in range(count):
+            yield self._gather(torch.arange(i * self.batch_size, (i + 1) * self.batch_size) % self.num_chunks)

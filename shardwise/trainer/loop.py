@@ -33,8 +33,9 @@ from shardwise.device import compute_device
 from shardwise.trainer import config as config_mod
 from shardwise.trainer import failures, launch, metrics, plot, preflight, schedule, state
 from shardwise.trainer.config import TrainConfig
-from shardwise.trainer.data import BatchSampler, open_splits
+from shardwise.trainer.loss import global_loss_targets, loss_targets, micro_batch_loss
 from shardwise.trainer.model_factory import ModelSpec, lm_loss, resolve_model
+from shardwise.trainer.sources import Sampler, open_training_data
 
 _DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -91,13 +92,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, spec: ModelSpec, sampler: BatchSampler, batches: int, device: torch.device) -> float:
-    """Mean validation loss over every rank's fixed validation batches (collective)."""
+def evaluate(model: nn.Module, spec: ModelSpec, sampler: Sampler, batches: int, device: torch.device) -> float:
+    """Mean loss per loss target over every rank's fixed validation batches (collective)."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for x, y in sampler.fixed_batches(batches):
-        total[0] += lm_loss(spec, model, x.to(device), y.to(device)).double()
-        total[1] += 1
+        total[0] += lm_loss(spec, model, x.to(device), y.to(device), reduction="sum").double()
+        total[1] += loss_targets([y])
     model.train()
     if dist.get_world_size() > 1:
         dist.all_reduce(total)
@@ -118,9 +119,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     seed_everything(cfg.seed)
     os.makedirs(cfg.out, exist_ok=True)
 
-    train_stream, val_stream = open_splits(cfg.data, cfg.val_fraction)
-    train_data = BatchSampler(train_stream, cfg.seq_len, cfg.batch_size, rank, world, cfg.seed, stream_id=0)
-    val_data = BatchSampler(val_stream, cfg.seq_len, cfg.batch_size, rank, world, cfg.seed, stream_id=1)
+    data = open_training_data(cfg, rank, world)
+    train_data, val_data = data.train, data.val
     check_model_fits_data(cfg, spec, max(train_data.max_token(), val_data.max_token()))
 
     model = build_sharded_model(cfg, spec, device)
@@ -129,7 +129,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
     scaler = shardwise.ShardedGradScaler() if cfg.mixed_precision == "fp16" else None
     start_step, note = state.restore_training_state(cfg.out, cfg.resume, model, optimizer, seed=cfg.seed,
-                                                    train_tokens=len(train_stream), grad_scaler=scaler)
+                                                    train_tokens=data.train_tokens, grad_scaler=scaler)
 
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.gradient_accumulation_steps * world
     log = metrics.MetricsLogger(
@@ -138,8 +138,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         peak_tflops=metrics.peak_tflops_per_rank(device, torch.get_num_threads(), cfg.peak_tflops),
         device=device, progress=cfg.progress, fresh=start_step == 0)
     log.write(f"shardwise train | model {spec.name} ({num_params / 1e6:.2f}M params) | {world} rank(s), "
-              f"{dist.get_backend()}, {cfg.sharding_strategy} | data {cfg.data}: {len(train_stream):,} train / "
-              f"{len(val_stream):,} val tokens | {tokens_per_step:,} tokens/step | run dir {cfg.out}")
+              f"{dist.get_backend()}, {cfg.sharding_strategy} | data {cfg.data}: {data.train_tokens:,} train / "
+              f"{data.val_tokens:,} val tokens | {tokens_per_step:,} tokens/step | run dir {cfg.out}")
     if note:
         log.write(f"resume: {note}")
     if start_step == 0 and rank == 0 and any(n.startswith("step-") for n in os.listdir(cfg.out)):
@@ -168,10 +168,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         for g in optimizer.param_groups:
             g["lr"] = lr
         step_loss = 0.0
-        for micro in range(accum):
-            x, y = train_data.batch(step, micro)
+        batches = [train_data.batch(step, micro) for micro in range(accum)]
+        loss_targets = global_loss_targets([y for _, y in batches], device) if train_data.masked else None
+        for micro, (x, y) in enumerate(batches):
             with shardwise.no_sync(model) if micro < accum - 1 else nullcontext():
-                loss = lm_loss(spec, model, x.to(device), y.to(device)) / accum
+                loss = micro_batch_loss(spec, model, x.to(device), y.to(device), accumulation_steps=accum,
+                                        global_targets=loss_targets, world_size=world)
                 (scaler.scale(loss) if scaler is not None else loss).backward()
             step_loss += float(loss.detach())
         if scaler is not None:
@@ -194,7 +196,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             log.log(step, grad_norm=grad_norm, lr=lr, val_loss=val)
         if (cfg.save_every and step % cfg.save_every == 0) or last:
             path = state.save_training_state(cfg.out, model, optimizer, step=step, seed=cfg.seed,
-                                             train_tokens=len(train_stream), grad_scaler=scaler)
+                                             train_tokens=data.train_tokens, grad_scaler=scaler)
             if last:
                 summary["checkpoint"] = str(path)
     log.close()

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from shardwise.models.gpt import GPT, PRESETS, Block, GPTConfig
 from shardwise.hf_init import hf_param_init_fn
 from shardwise.trainer import hf_model
+from shardwise.trainer.data import IGNORE_INDEX
 
 # Hugging Face models above this many parameters are built on the meta device and materialised shard by
 # shard; below it an eager build is cheaper than the bookkeeping and exercises HF's own init directly.
@@ -126,9 +127,17 @@ def _shardwise_gpt_config(path: str) -> Optional[GPTConfig]:
         raise ModelError(f"{path}: {e}; GPTConfig fields: {', '.join(GPTConfig.__dataclass_fields__)}") from None
 
 
-def lm_loss(spec: ModelSpec, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32. ``targets`` are already shifted (targets[t] = inputs[t + 1])."""
+def lm_logits(spec: ModelSpec, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """(B, T, vocab) next-token logits of a GPT preset or a Hugging Face causal LM."""
     if spec.kind == "gpt":
-        return model(inputs, targets).loss
-    logits = model(input_ids=inputs, use_cache=False).logits  # (B, T, vocab)
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return model(inputs).logits
+    return model(input_ids=inputs, use_cache=False).logits
+
+
+def lm_loss(spec: ModelSpec, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+            reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy in fp32 over the targets that are not ``IGNORE_INDEX`` (``reduction``:
+    their mean or their sum). ``targets`` are already shifted (targets[t] = inputs[t + 1])."""
+    logits = lm_logits(spec, model, inputs)
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                           reduction=reduction)

@@ -20,7 +20,9 @@ import torch.nn as nn
 
 from shardwise.trainer.config import ConfigError, TrainConfig
 from shardwise.trainer.data import BYTE_VOCAB, DataError, open_splits, rank_bounds
+from shardwise.trainer.jsonl_data import check_files, is_jsonl_source, load_tokenizer
 from shardwise.trainer.model_factory import ModelError, ModelSpec, resolve_model
+from shardwise.trainer.sources import open_streams
 
 RANKS_PER_CORE = 4  # local gloo ranks beyond this many per core only wait on each other until they time out
 
@@ -43,8 +45,8 @@ def check_before_launch(cfg: TrainConfig, world_size: int, local_ranks: int, lau
         raise ModelError(str(e) if str(e).startswith("--model") else
                          f"--model: {e}" if named else f"--model {cfg.model}: {e}") from None
     model = build_meta(cfg, spec)
-    check_data(cfg, spec, world_size)
-    check_out(cfg)
+    check_out(cfg)  # before the data: .jsonl data is tokenised into the run directory
+    check_data(cfg, spec, world_size, build_cache=launching)
     check_resume(cfg, model)
     return spec
 
@@ -92,7 +94,16 @@ def check_token_ids(cfg: TrainConfig, spec: ModelSpec, largest: int) -> None:
                         f"vocabulary or other data")
 
 
-def check_data(cfg: TrainConfig, spec: ModelSpec, world_size: int) -> None:
+def check_data(cfg: TrainConfig, spec: ModelSpec, world_size: int, build_cache: bool = True) -> None:
+    """``build_cache``: tokenise .jsonl data now (the launcher, with a progress bar); without it (a torchrun
+    worker, whose rank 0 tokenises once the group is up) only the files and the tokenizer are checked."""
+    if is_jsonl_source(cfg.data):
+        if not build_cache:
+            check_files(cfg.data)
+            load_tokenizer(cfg.model, cfg.data)
+            return
+        check_packed_data(cfg, spec, world_size)
+        return
     train, val = open_splits(cfg.data, cfg.val_fraction)
     need = cfg.seq_len + 2  # one window of seq_len + 1 tokens, and at least two places to start it
     for stream, what in ((train, "training"), (val, "validation")):
@@ -104,6 +115,18 @@ def check_data(cfg: TrainConfig, spec: ModelSpec, world_size: int) -> None:
     # Byte-level data cannot exceed 255: scan only when the vocabulary is smaller or the ids are wider.
     if train.dtype.itemsize > 1 or spec.vocab_size < BYTE_VOCAB:
         check_token_ids(cfg, spec, max(train.max_token(), val.max_token()))
+
+
+def check_packed_data(cfg: TrainConfig, spec: ModelSpec, world_size: int) -> None:
+    """.jsonl data, tokenised into the cache now: one packed sequence per rank at least, ids in the vocabulary."""
+    train, val, _ = open_streams(cfg, build=True, progress=cfg.progress)
+    for (tokens, _mask), what in ((train, "training"), (val, "validation")):
+        chunks = max(len(tokens) - 1, 0) // cfg.seq_len
+        if chunks < world_size:
+            raise DataError(f"--data {cfg.data}: the {what} split holds {len(tokens)} tokens, {chunks} sequence(s) "
+                            f"of --seq-len {cfg.seq_len}, fewer than one per rank ({world_size}); use more data, "
+                            f"fewer ranks or a shorter --seq-len")
+    check_token_ids(cfg, spec, max(train[0].max_token(), val[0].max_token()))
 
 
 def check_out(cfg: TrainConfig) -> None:
