@@ -188,7 +188,9 @@ def save_merged(model: nn.Module, out: str | os.PathLike, dtype: Optional[torch.
     if dtype is not None:
         sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
     base.load_state_dict(sd, strict=False, assign=True)
-    missing = [n for n, t in list(base.named_parameters()) + list(base.named_buffers()) if t.is_meta]
+    # what save_pretrained writes must all be there (non-persistent buffers such as rotary tables are not
+    # written: from_pretrained recomputes them)
+    missing = [n for n, t in base.state_dict().items() if t.is_meta]
     if missing:
         raise ShardwiseError(f"merged LoRA export to {out}: no weights for {', '.join(missing[:5])}")
     base.save_pretrained(str(out))
