@@ -15,13 +15,13 @@ the wrapped model starts out equal to its base) on top of the model's init.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 from shardwise.errors import ShardwiseError
 
@@ -36,7 +36,7 @@ class LoraSettings:
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: tuple[str, ...] = ()  # () -> peft's default for the architecture (Llama: q_proj, v_proj)
-    base_dtype: Optional[torch.dtype] = None  # the frozen base's dtype (None: leave it as built)
+    base_dtype: torch.dtype | None = None  # the frozen base's dtype (None: leave it as built)
 
     def peft_config(self):
         try:
@@ -88,7 +88,7 @@ def _adapter_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str, object]
     return owners
 
 
-def lora_param_init_fn(model: nn.Module, base_init: Optional[Callable[[nn.Module], None]]
+def lora_param_init_fn(model: nn.Module, base_init: Callable[[nn.Module], None] | None
                        ) -> Callable[[nn.Module], None]:
     """``param_init_fn`` for ``shard`` on a meta-built peft model: ``base_init`` (the model's own, e.g.
     ``shardwise.hf_init``), then peft's init for adapter modules. ``reset_lora_parameters`` writes A and B of
@@ -127,7 +127,7 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in get_peft_model_state_dict(model, state_dict=trainable).items()}
 
 
-def save_adapter(model: nn.Module, out: str | os.PathLike) -> Optional[Path]:
+def save_adapter(model: nn.Module, out: str | os.PathLike) -> Path | None:
     """Write ``out/adapter_config.json`` + ``out/adapter_model.safetensors`` (what ``PeftModel.from_pretrained
     (base, out)`` loads) from a sharded peft model. Collective; rank 0 writes and returns ``out``."""
     from safetensors.torch import save_file
@@ -173,7 +173,7 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_merged(model: nn.Module, out: str | os.PathLike, dtype: Optional[torch.dtype] = None) -> Optional[Path]:
+def save_merged(model: nn.Module, out: str | os.PathLike, dtype: torch.dtype | None = None) -> Path | None:
     """A full Hugging Face model directory (config.json + safetensors) with the adapters merged, loadable by
     ``AutoModelForCausalLM.from_pretrained(out)``. Collective; rank 0 writes. Memory: the whole model on
     rank 0's CPU, once."""

@@ -15,10 +15,18 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from harness import run_distributed  # noqa: E402
-from hf_dirs import tiny_config  # noqa: E402
-from parity_utils import (assert_parity, make_batches, rel_err, run_scenarios, scenario,  # noqa: E402
-                          simple_step, spawn_once, train_pair)
+from harness import run_distributed
+from hf_dirs import tiny_config
+from parity_utils import (
+    assert_parity,
+    make_batches,
+    rel_err,
+    run_scenarios,
+    scenario,
+    simple_step,
+    spawn_once,
+    train_pair,
+)
 
 VOCAB, STEPS = 97, 3
 # What each world size runs: every optimizer with every base dtype, over the two spawns.

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from shardwise.trainer.config import ConfigError, TrainConfig
 from shardwise.trainer.model_factory import ModelSpec
 
 
-def wrap_lora(cfg: TrainConfig, spec: ModelSpec, model: nn.Module, init_fn: Optional[Callable[[nn.Module], None]],
-              on_meta: bool) -> tuple[nn.Module, Optional[Callable[[nn.Module], None]]]:
+def wrap_lora(cfg: TrainConfig, spec: ModelSpec, model: nn.Module, init_fn: Callable[[nn.Module], None] | None,
+              on_meta: bool) -> tuple[nn.Module, Callable[[nn.Module], None] | None]:
     """(peft model, its ``param_init_fn``). Before shard(): the frozen base then costs no gradient memory or
     traffic. On meta, the adapters are initialised inside shard() the way peft initialises them."""
     from shardwise.lora import LoraSettings, apply_lora, lora_param_init_fn

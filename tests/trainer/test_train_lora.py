@@ -10,9 +10,10 @@ import torch
 
 pytest.importorskip("peft")
 
-from harness import run_distributed  # noqa: E402
-from hf_dirs import tiny_config  # noqa: E402
-from shardwise.trainer.config import TrainConfig  # noqa: E402
+from harness import run_distributed
+from hf_dirs import tiny_config
+
+from shardwise.trainer.config import TrainConfig
 
 
 def _train_worker(rank, world, cfg_values):
@@ -26,6 +27,7 @@ def _records(out):
         return {r["step"]: r for r in map(json.loads, f)}
 
 
+@pytest.mark.slow  # four trainer runs of 2 ranks: ~75 s of CPU
 def test_lora_run_resumes_exactly_and_writes_a_peft_adapter(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
