@@ -21,7 +21,12 @@ What is counted, per rank (see flat_buffer.py for the buffer lifetimes)::
     scratch           gloo's temporary copy of the buffer a collective works on (CPU only)
     activations       what autograd saves in forward + the backward working set (two of the largest)
 
-and the total is the largest of three peaks: early in backward, at its end, and at the optimizer step ([Note: three peaks]
+With ``lora_r`` the meta model is wrapped by peft exactly as the trainer wraps it (``shardwise.lora``): the
+frozen base gets its own flat groups (no gradient or optimizer shards), the adapters theirs. ``answer``
+turns a plan and a device budget into the verdict: fits or not, the fewest ranks that fit, and what CPU
+offload leaves on the device and needs in host memory.
+
+The total is the largest of three peaks: early in backward, at its end, and at the optimizer step ([Note: three peaks]
 in ``plan_memory``). "Memory" is live bytes: what a caching allocator or malloc keeps beyond that (freed
 blocks not yet returned) is not predicted. With ``cpu_offload`` the shards live in CPU memory and are not
 counted against the device.
@@ -41,6 +46,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardwise.errors import ShardwiseError
 from shardwise.plan import ShardingPlan, build_plan
 from shardwise.strategy import Strategy
 
@@ -66,12 +72,16 @@ class PlanInputs:
     device: str = "cuda"  # cuda (NCCL) or cpu (gloo, whose collectives allocate a full-size scratch buffer)
     auto_wrap: str = "transformer_based_wrap"
     transformer_layer_cls_to_wrap: tuple[str, ...] = ()
+    lora_r: int = 0  # > 0: peft LoRA adapters of this rank, the base frozen (no gradients, no optimizer state)
+    lora_target_modules: tuple[str, ...] = ()  # () -> peft's default for the architecture
+    lora_base_dtype: str = ""  # the frozen base's dtype (fp32/bf16); "" -> the master dtype
 
 
 @dataclass
 class MemoryPlan:
     model: str
     num_params: int
+    trainable_params: int  # all of them, or only the LoRA adapters
     world_size: int
     shard_size: int
     sharding_strategy: str
@@ -100,6 +110,10 @@ class MemoryPlan:
     fits: Optional[bool] = None
     device_memory_bytes: Optional[int] = None
     suggestions: list[str] = field(default_factory=list)
+    lora_r: int = 0
+    min_world_size: Optional[int] = None  # the fewest ranks at which this configuration fits (None: none does)
+    offload_device_bytes: Optional[int] = None  # with --cpu-offload at this world size: per device...
+    offload_host_bytes: Optional[int] = None  # ... and the host memory it needs per rank
 
 
 # ---- the model on meta ---------------------------------------------------------------------------------
@@ -113,8 +127,21 @@ def build_meta_model(inputs: PlanInputs):
     master = _MASTER[inputs.dtype]
     if master != torch.float32:
         model = model.to(master)
+    if inputs.lora_r:
+        from shardwise.lora import LoraSettings, apply_lora
+
+        if spec.kind != "hf":
+            raise ValueError(f"--lora-r needs a Hugging Face model (peft wraps its modules); {spec.name} is a "
+                             f"shardwise GPT preset")
+        base = _MASTER[inputs.lora_base_dtype] if inputs.lora_base_dtype else None
+        model = apply_lora(model, LoraSettings(r=inputs.lora_r, target_modules=inputs.lora_target_modules,
+                                               base_dtype=base))
     units = spec.units(model, inputs.auto_wrap, list(inputs.transformer_layer_cls_to_wrap))
     return spec, model, units
+
+
+def _model_key(inputs: PlanInputs) -> tuple:
+    return ("model", inputs.model, inputs.dtype, inputs.lora_r, inputs.lora_target_modules, inputs.lora_base_dtype)
 
 
 def shard_size_for(strategy: Strategy, world_size: int, ranks_per_node: int) -> int:
@@ -184,10 +211,27 @@ class ActivationProfile:
 def profile_activations(spec, model: nn.Module, unit_modules: list[nn.Module], batch_size: int, seq_len: int,
                         compute_dtype: Optional[torch.dtype]) -> ActivationProfile:
     """Run one forward + loss on meta and measure what autograd saves (parameters excluded)."""
+    with _cast_for_forward(model, compute_dtype):
+        return _profile(spec, model, unit_modules, batch_size, seq_len)
+
+
+@contextlib.contextmanager
+def _cast_for_forward(model: nn.Module, dtype: Optional[torch.dtype]):
+    """Floating parameters in the compute dtype for the forward, then back: the meta model is cached and
+    planned again, and its dtypes are part of the plan (peft keeps LoRA adapters in fp32 beside a bf16 base)."""
+    originals = [(p, p.dtype) for p in model.parameters() if dtype is not None and p.is_floating_point()]
+    for p, _ in originals:
+        p.data = p.data.to(dtype)
+    try:
+        yield
+    finally:
+        for p, original in originals:
+            p.data = p.data.to(original)
+
+
+def _profile(spec, model: nn.Module, unit_modules: list[nn.Module], batch_size: int, seq_len: int) -> ActivationProfile:
     from shardwise.trainer.model_factory import lm_loss
 
-    if compute_dtype is not None:
-        model = model.to(compute_dtype)
     param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
     seen: dict[int, int] = {}
     unit_seen: list[dict[int, int]] = [dict() for _ in unit_modules]
@@ -261,9 +305,9 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
     """The per-rank memory plan for ``inputs`` (see the module docstring for what is counted)."""
     cache = _cache if _cache is not None else {}
     strategy = Strategy.parse(inputs.sharding_strategy)
-    if ("model", inputs.model, inputs.dtype) not in cache:
-        cache[("model", inputs.model, inputs.dtype)] = build_meta_model(inputs)
-    spec, model, units = cache[("model", inputs.model, inputs.dtype)]
+    if _model_key(inputs) not in cache:
+        cache[_model_key(inputs)] = build_meta_model(inputs)
+    spec, model, units = cache[_model_key(inputs)]
     shard_size = shard_size_for(strategy, inputs.world_size, inputs.ranks_per_node)
     plan = build_plan(model, units, shard_size)
     mp_dtype = _DTYPES[inputs.mixed_precision]
@@ -279,6 +323,7 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
     if strategy.all_reduces_grads and shard_size > 1:  # ZeRO-1: grads are views of the whole reduced gradient
         grad_shard = sum(g.padded_numel * reduce_dtype.itemsize for g in plan.groups() if g.requires_grad)
     num_params = sum(p.numel for p in plan.params())
+    trainable_params = sum(p.numel for p in plan.params() if p.requires_grad)
     param_bytes = sum(p.numel * p.dtype.itemsize for p in plan.params())
 
     per_unit = _unit_bytes(plan, mp_dtype)
@@ -315,7 +360,7 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
 
     scratch = scratch_for(max(largest, root), max(block_trainable, root_trainable))
 
-    key = ("act", inputs.model, inputs.dtype, inputs.mixed_precision, inputs.batch_size, inputs.seq_len,
+    key = ("act", _model_key(inputs), inputs.mixed_precision, inputs.batch_size, inputs.seq_len,
            inputs.auto_wrap, inputs.transformer_layer_cls_to_wrap)
     if key not in cache:
         unit_modules = [u.module for u in plan.units if not u.is_root]
@@ -351,7 +396,7 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
     total = max(backward_peak, step_peak)
     offloaded = param_shard + grad_shard + optim_shard if offload else 0
     return MemoryPlan(
-        model=spec.name, num_params=num_params, world_size=inputs.world_size, shard_size=shard_size,
+        model=spec.name, num_params=num_params, trainable_params=trainable_params, world_size=inputs.world_size, shard_size=shard_size,
         sharding_strategy=strategy.value, mixed_precision=inputs.mixed_precision, cpu_offload=inputs.cpu_offload,
         activation_checkpointing=inputs.activation_checkpointing, batch_size=inputs.batch_size,
         seq_len=inputs.seq_len, num_units=len(plan.units), param_bytes=param_bytes,
@@ -360,7 +405,46 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
         gathered_bytes=gathered, grad_reduce_bytes=grad_reduce, collective_scratch_bytes=scratch,
         activation_bytes=activations, activation_method=prof.method,
         backward_peak_bytes=backward_peak, optimizer_step_peak_bytes=step_peak,
-        device_bytes_offloaded=offloaded, total_bytes=total)
+        device_bytes_offloaded=offloaded, total_bytes=total, lora_r=inputs.lora_r)
+
+
+def fewest_ranks_that_fit(inputs: PlanInputs, budget: int, cache: dict, limit: int = 65536) -> Optional[int]:
+    """The smallest world size >= ``inputs.world_size`` whose plan fits ``budget`` bytes per rank, or None
+    when even ``limit`` ranks do not (what does not shrink with more ranks -- activations, gathered units --
+    exceeds the budget by itself). Doubling, then bisection: every byte that depends on the world size is a
+    shard, which only shrinks as ranks are added."""
+    from dataclasses import replace
+
+    def fits(n: int) -> bool:
+        return plan_memory(replace(inputs, world_size=n), _cache=cache).total_bytes <= budget
+
+    lo, hi = inputs.world_size - 1, inputs.world_size  # lo: known not to fit (or below the start)
+    while not fits(hi):
+        lo = hi
+        if hi >= limit or plan_memory(replace(inputs, world_size=hi), _cache=cache).shard_size < hi:
+            return None  # no_shard / hybrid: the shard group stops growing, more ranks shrink nothing more
+        hi = min(2 * hi, limit)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+def answer(plan: MemoryPlan, inputs: PlanInputs, budget: int, cache: dict) -> MemoryPlan:
+    """Fill in the verdict for ``budget`` bytes per device: fits or not, the fewest ranks that fit, what CPU
+    offload would leave on the device and need in host memory, and nearby configurations that fit."""
+    from dataclasses import replace
+
+    plan.device_memory_bytes = budget
+    plan.fits = plan.total_bytes <= budget
+    if plan.fits:
+        return plan
+    plan.min_world_size = fewest_ranks_that_fit(inputs, budget, cache)
+    if not inputs.cpu_offload:
+        off = plan_memory(replace(inputs, cpu_offload=True), _cache=cache)
+        plan.offload_device_bytes, plan.offload_host_bytes = off.total_bytes, off.device_bytes_offloaded
+    plan.suggestions = suggest(inputs, budget, cache)
+    return plan
 
 
 def suggest(inputs: PlanInputs, budget: int, cache: dict) -> list[str]:
@@ -427,6 +511,9 @@ def render(p: MemoryPlan) -> str:
     rows = [
         f"memory plan per rank: {p.model} ({p.num_params / 1e9:.3f}B params, {fmt_bytes(p.param_bytes)} of weights) "
         f"on {p.world_size} rank(s)",
+        *([(f"  LoRA r={p.lora_r}: {p.trainable_params:,} trainable adapter params "
+            f"({100 * p.trainable_params / max(p.num_params, 1):.3f}%), the base frozen: no gradients or optimizer "
+            f"state for it")] if p.lora_r else []),
         f"  {p.sharding_strategy}, shard group of {p.shard_size}, {p.num_units} units, mixed_precision={p.mixed_precision}, "
         f"cpu_offload={p.cpu_offload}, activation_checkpointing={p.activation_checkpointing}, "
         f"batch {p.batch_size} x seq {p.seq_len} per rank",
@@ -450,6 +537,16 @@ def render(p: MemoryPlan) -> str:
         verdict = "fits" if p.fits else "does NOT fit"
         rows.append(f"{verdict} in --device-memory {fmt_bytes(p.device_memory_bytes)}")
         if not p.fits:
+            rows.append(f"  more ranks: {p.min_world_size} (--world-size {p.min_world_size}) is the fewest that fit"
+                        if p.min_world_size else
+                        "  more ranks: no number of ranks fits (activations and gathered units do not shrink "
+                        "with more ranks)")
+            if p.offload_device_bytes is not None:
+                fit = "fits" if p.offload_device_bytes <= p.device_memory_bytes else "still does NOT fit"
+                rows.append(f"  --cpu-offload on {p.world_size} rank(s): {fmt_bytes(p.offload_device_bytes)} per "
+                            f"device ({fit}), and {fmt_bytes(p.offload_host_bytes)} of host memory per rank for "
+                            f"the shards, gradients and optimizer state "
+                            f"({fmt_bytes(p.offload_host_bytes * p.world_size)} over all ranks)")
             rows += ["what would fit:"] + [f"  {s}" for s in p.suggestions] if p.suggestions else \
                 ["nothing close fits: try a smaller model or a shorter --seq-len"]
     return "\n".join(rows)
@@ -476,21 +573,30 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ranks-per-node", type=int, default=8, help="shard group size of the hybrid strategies")
     ap.add_argument("--transformer-layer-cls-to-wrap", default="", help="comma-separated unit class names")
     ap.add_argument("--device-memory", default=None, help="say whether the plan fits, e.g. 80GB or 24GiB")
+    ap.add_argument("--lora-r", type=int, default=0, help="plan LoRA fine-tuning: adapter rank (0: full training)")
+    ap.add_argument("--lora-target-modules", default="", help="comma-separated module names (default: peft's)")
+    ap.add_argument("--lora-base-dtype", default="", choices=("",) + tuple(_MASTER),
+                    help="dtype of the frozen base (default: --dtype)")
     ap.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return ap
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(c.strip() for c in text.split(",") if c.strip())
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = make_parser().parse_args(argv)
-    if args.world_size < 1 or args.batch_size < 1 or args.seq_len < 1:
-        print("error: --world-size, --batch-size and --seq-len must be >= 1", file=sys.stderr)
+    if args.world_size < 1 or args.batch_size < 1 or args.seq_len < 1 or args.lora_r < 0:
+        print("error: --world-size, --batch-size and --seq-len must be >= 1, --lora-r >= 0", file=sys.stderr)
         return 2
     inputs = PlanInputs(
         model=args.model, world_size=args.world_size, sharding_strategy=args.sharding_strategy,
         mixed_precision=args.mixed_precision, cpu_offload=args.cpu_offload,
         activation_checkpointing=args.activation_checkpointing, batch_size=args.batch_size, seq_len=args.seq_len,
         dtype=args.dtype, ranks_per_node=args.ranks_per_node, device=args.device,
-        transformer_layer_cls_to_wrap=tuple(c.strip() for c in args.transformer_layer_cls_to_wrap.split(",") if c.strip()))
+        transformer_layer_cls_to_wrap=_names(args.transformer_layer_cls_to_wrap), lora_r=args.lora_r,
+        lora_target_modules=_names(args.lora_target_modules), lora_base_dtype=args.lora_base_dtype)
     from shardwise.trainer.model_factory import ModelError
 
     cache: dict = {}
@@ -498,11 +604,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         budget = parse_size(args.device_memory) if args.device_memory else None
         plan = plan_memory(inputs, _cache=cache)
         if budget is not None:
-            plan.device_memory_bytes = budget
-            plan.fits = plan.total_bytes <= budget
-            if not plan.fits:
-                plan.suggestions = suggest(inputs, budget, cache)
-    except (ModelError, ValueError) as e:
+            answer(plan, inputs, budget, cache)
+    except (ModelError, ValueError, ShardwiseError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(asdict(plan), indent=2) if args.json else render(plan))

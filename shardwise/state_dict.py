@@ -27,32 +27,35 @@ def _entries(rt, model: nn.Module) -> dict[str, object]:
             if isinstance(v, torch.Tensor)}
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """Rank 0 gets ``{name: full CPU tensor}`` (keys and order of the unsharded ``state_dict()``); others ``{}``.
 
     Tied parameters appear under each of their names as the same tensor, as in ``nn.Module.state_dict``.
-    Every rank must call it: it communicates.
+    ``trainable_only``: only parameters with ``requires_grad`` (LoRA adapters), no buffers; the frozen
+    groups are not even gathered. Every rank must call it: it communicates.
     """
     from shardwise.api import runtime_of
 
     rt = runtime_of(model)
     rt.settle()
     is_rank0 = dist.get_rank() == 0
+    groups = [g for u in rt.units for g in u.groups if g.plan.requires_grad or not trainable_only]
     if rt.checker is not None:
-        rt.checker.check_now("state_dict", len(rt.units))
+        rt.checker.check_now("state_dict", len(groups))  # the count tells a trainable_only call from a full one
     full_of: dict[tuple[int, int], torch.Tensor] = {}
-    for u in rt.units:
-        for g in u.groups:
-            full = g.shard if g.groups.shard is None else g.gather_full()
-            if is_rank0:
-                for i, spec in enumerate(g.plan.params):
-                    full_of[id(g), i] = full.narrow(0, spec.offset, spec.numel).view(spec.shape).detach().to(
-                        "cpu", copy=True)
-            del full
+    for g in groups:
+        full = g.shard if g.groups.shard is None else g.gather_full()
+        if is_rank0:
+            for i, spec in enumerate(g.plan.params):
+                full_of[id(g), i] = full.narrow(0, spec.offset, spec.numel).view(spec.shape).detach().to(
+                    "cpu", copy=True)
+        del full
     if not is_rank0:
         return {}
     out = {}
     for k, e in _entries(rt, model).items():
+        if trainable_only and not (isinstance(e, tuple) and (id(e[0]), e[1]) in full_of):
+            continue
         out[k] = full_of[id(e[0]), e[1]] if isinstance(e, tuple) else e.detach().to("cpu", copy=True)
     return out
 

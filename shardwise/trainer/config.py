@@ -89,6 +89,18 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Recompute each unit's forward during backward instead of keeping its activations."""
 
+    # ---- LoRA through peft (Hugging Face models) --------------------------------------------------------
+    lora_r: int = 0
+    """LoRA adapter rank; 0 trains the whole model. > 0: peft wraps the model before sharding, the base is frozen (no gradients, no optimizer state) and only adapters train."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator (the update is scaled by lora_alpha / lora_r)."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input."""
+    lora_target_modules: list[str] = field(default_factory=list)
+    """Module names that get adapters (e.g. q_proj,v_proj); empty: peft's default for the architecture."""
+    lora_base_dtype: str = "fp32"
+    """fp32 or bf16: the dtype the frozen base is kept in (adapters keep fp32 masters)."""
+
     # ---- run directory, logging, checkpoints ------------------------------------------------------------
     out: str = "runs/train"
     """Run directory: config.toml, metrics.jsonl, metrics.png and checkpoints go here."""
@@ -126,6 +138,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "lr_schedule": ("cosine", "constant"),
     "optimizer": ("adamw", "muon"),
     "backend": ("auto", "gloo", "nccl"),
+    "lora_base_dtype": ("fp32", "bf16"),
 }
 
 # Accelerate fsdp_config / HF TrainingArguments spellings -> our key.
@@ -159,7 +172,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "steps": (1, 2**31 - 1), "batch_size": (1, 2**20), "seq_len": (1, 2**24), "gradient_accumulation_steps": (1, 2**20),
     "warmup_steps": (0, 2**31 - 1), "log_every": (1, 2**31 - 1), "eval_every": (0, 2**31 - 1),
     "eval_batches": (1, 2**20), "save_every": (0, 2**31 - 1), "nproc": (1, 2**20), "threads_per_rank": (0, 4096),
-    "timeout_s": (1, 7 * 24 * 3600), "seed": (0, 2**32 - 1),
+    "timeout_s": (1, 7 * 24 * 3600), "seed": (0, 2**32 - 1), "lora_r": (0, 2**16),
 }
 _NON_NEGATIVE = ("lr", "weight_decay", "max_grad_norm", "peak_tflops")
 
@@ -271,7 +284,7 @@ def validate(cfg: TrainConfig, labels: Optional[dict[str, str]] = None) -> Train
         if value > hi:
             raise bad(key, f"it must be <= {hi}" + (" (numpy seeds are 32-bit)" if key == "seed" else ""))
     for key in ("lr", "weight_decay", "max_grad_norm", "peak_tflops", "min_lr_ratio", "val_fraction",
-                "adam_beta1", "adam_beta2"):
+                "adam_beta1", "adam_beta2", "lora_alpha", "lora_dropout"):
         value = getattr(cfg, key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise bad(key, "expected a finite number")
@@ -282,7 +295,7 @@ def validate(cfg: TrainConfig, labels: Optional[dict[str, str]] = None) -> Train
         raise bad("min_lr_ratio", "it must be between 0 and 1")
     if not 0.0 < cfg.val_fraction < 1.0:
         raise bad("val_fraction", "it must be between 0 and 1 (exclusive)")
-    for key in ("adam_beta1", "adam_beta2"):
+    for key in ("adam_beta1", "adam_beta2", "lora_dropout"):
         if not 0.0 <= getattr(cfg, key) < 1.0:
             raise bad(key, "it must be in [0, 1)")
     for key, choices in CHOICES.items():

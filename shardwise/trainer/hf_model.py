@@ -24,7 +24,7 @@ class HFConfigError(ValueError):
 def load_hf_config(path: str):
     """An ``AutoConfig`` from a local config.json (or a directory holding one); never touches the network."""
     try:
-        from transformers import AutoConfig
+        import transformers  # noqa: F401  (only to say what is missing, before reading anything)
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise HFConfigError("--model PATH/config.json needs the transformers package: pip install transformers") from e
     cfg_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
@@ -33,15 +33,23 @@ def load_hf_config(path: str):
             raw = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise HFConfigError(f"cannot read Hugging Face config {cfg_file!r}: {e}") from None
+    return hf_config_from_dict(raw, repr(cfg_file))
+
+
+def hf_config_from_dict(raw: dict, where: str):
+    """An ``AutoConfig`` from the contents of a config.json (``where`` names its source in errors)."""
+    from transformers import AutoConfig
+
+    raw = dict(raw)
     model_type = raw.pop("model_type", None)
     if not model_type:
-        raise HFConfigError(f"{cfg_file!r} has no 'model_type' (llama, qwen2, mistral, gpt2, ...)")
+        raise HFConfigError(f"{where} has no 'model_type' (llama, qwen2, mistral, gpt2, ...)")
     try:
         config = AutoConfig.for_model(model_type, **raw)
     except (ValueError, KeyError, TypeError) as e:
-        raise HFConfigError(f"{cfg_file!r}: transformers {transformers_version()} does not know model_type "
+        raise HFConfigError(f"{where}: transformers {transformers_version()} does not know model_type "
                             f"{model_type!r} ({type(e).__name__})") from None
-    check_causal_lm(config, cfg_file)
+    check_causal_lm(config, where)
     return config
 
 
@@ -57,7 +65,7 @@ def check_causal_lm(config, cfg_file: str) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise HFConfigError(f"{cfg_file!r}: model_type {config.model_type!r} is not a causal language model "
+        raise HFConfigError(f"{cfg_file}: model_type {config.model_type!r} is not a causal language model "
                             f"(AutoModelForCausalLM cannot build it); shardwise train needs one, e.g. llama, "
                             f"qwen2, mistral, gpt2")
 

@@ -33,6 +33,7 @@ from shardwise.device import compute_device
 from shardwise.trainer import config as config_mod
 from shardwise.trainer import failures, launch, metrics, plot, preflight, schedule, state
 from shardwise.trainer.config import TrainConfig
+from shardwise.trainer.lora_model import wrap_lora
 from shardwise.trainer.loss import global_loss_targets, loss_targets, micro_batch_loss
 from shardwise.trainer.model_factory import ModelSpec, lm_loss, resolve_model
 from shardwise.trainer.sources import Sampler, open_training_data
@@ -59,6 +60,9 @@ def build_sharded_model(cfg: TrainConfig, spec: ModelSpec, device: torch.device)
     on_meta = spec.build_on_meta(spec.num_params(meta_model))
     model = meta_model if on_meta else spec.build("cpu")
     del meta_model
+    init_fn = spec.param_init_fn(model, device) if on_meta else None
+    if cfg.lora_r:
+        model, init_fn = wrap_lora(cfg, spec, model, init_fn if on_meta else None, on_meta)
     units = spec.units(model, cfg.auto_wrap, cfg.transformer_layer_cls_to_wrap)
     return shardwise.shard(
         model,
@@ -66,7 +70,7 @@ def build_sharded_model(cfg: TrainConfig, spec: ModelSpec, device: torch.device)
         strategy=cfg.sharding_strategy,
         mixed_precision=mixed_precision_of(cfg.mixed_precision),
         offload=shardwise.CPUOffload() if cfg.cpu_offload else None,
-        param_init_fn=spec.param_init_fn(model, device) if on_meta else None,
+        param_init_fn=init_fn,
         device=device,
         activation_checkpointing=cfg.activation_checkpointing,
     )
@@ -199,6 +203,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                              train_tokens=data.train_tokens, grad_scaler=scaler)
             if last:
                 summary["checkpoint"] = str(path)
+                if cfg.lora_r:  # the adapters as peft saves them: PeftModel.from_pretrained(base, run/adapter)
+                    from shardwise.lora import save_adapter
+
+                    save_adapter(model, os.path.join(cfg.out, "adapter"))
+                    summary["adapter"] = os.path.join(cfg.out, "adapter")
     log.close()
     summary["train_seconds"] = time.perf_counter() - t_start
     summary["final_step"] = cfg.steps

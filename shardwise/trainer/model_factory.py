@@ -13,8 +13,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardwise.models.gpt import GPT, PRESETS, Block, GPTConfig
+from shardwise.arch_presets import ARCH_PRESETS
 from shardwise.hf_init import hf_param_init_fn
+from shardwise.models.gpt import GPT, PRESETS, Block, GPTConfig
 from shardwise.trainer import hf_model
 from shardwise.trainer.data import IGNORE_INDEX
 
@@ -102,11 +103,17 @@ def resolve_model(name: str) -> ModelSpec:
             cfg = hf_model.load_hf_config(name)
         except hf_model.HFConfigError as e:
             raise ModelError(str(e)) from None
-        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        return ModelSpec(f"{cfg.model_type}:{os.path.basename(os.path.normpath(name))}", "hf", cfg,
-                         int(text.vocab_size), hf_model.hf_max_positions(cfg), hf_model.hf_num_layers(cfg),
-                         hf_model.hf_hidden_size(cfg))
-    raise ModelError(f"unknown model {name!r}; valid: {', '.join(PRESETS)}, or a path to a Hugging Face config.json")
+        return _hf_spec(f"{cfg.model_type}:{os.path.basename(os.path.normpath(name))}", cfg)
+    if name in ARCH_PRESETS:
+        return _hf_spec(name, hf_model.hf_config_from_dict(ARCH_PRESETS[name], f"preset {name!r}"))
+    raise ModelError(f"unknown model {name!r}; valid: {', '.join(PRESETS)}, the architecture presets "
+                     f"{', '.join(ARCH_PRESETS)} (random init), or a path to a Hugging Face config.json")
+
+
+def _hf_spec(name: str, cfg) -> ModelSpec:
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return ModelSpec(name, "hf", cfg, int(text.vocab_size), hf_model.hf_max_positions(cfg),
+                     hf_model.hf_num_layers(cfg), hf_model.hf_hidden_size(cfg))
 
 
 def _shardwise_gpt_config(path: str) -> Optional[GPTConfig]:

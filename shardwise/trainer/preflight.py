@@ -76,6 +76,10 @@ def build_meta(cfg: TrainConfig, spec: ModelSpec) -> nn.Module:
     except Exception as e:  # a config that its own model class refuses (heads not dividing the width, ...)
         raise ModelError(f"--model {cfg.model}: cannot build the model from it: {type(e).__name__}: "
                          f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
+    if cfg.lora_r:
+        from shardwise.trainer.lora_model import wrap_lora
+
+        model, _ = wrap_lora(cfg, spec, model, None, True)  # raises for a GPT preset or unknown target modules
     spec.units(model, cfg.auto_wrap, cfg.transformer_layer_cls_to_wrap)  # raises for unknown block classes
     check_seq_len(cfg, spec)
     return model

@@ -166,7 +166,9 @@ def _checkpoint(rank, ws, phase, ckpt_dir):
 
     torch.manual_seed(0)
     initial = GPT(tiny_gpt_config(tie_weights=True))
-    model = shardwise.shard(copy.deepcopy(initial), units={Block})
+    # Saved under ZeRO-3, resumed under ZeRO-2: the checkpoint reshards across world sizes and strategies.
+    strategy = "full_shard" if phase == "save" else "shard_optim_grad"
+    model = shardwise.shard(copy.deepcopy(initial), units={Block}, strategy=strategy)
     opt = Muon(model.parameters(), **FP32_NS)
     batches = make_batches(4, 62)
     if phase == "save":
@@ -203,6 +205,9 @@ def _scenarios(ws: int, ckpt_dir: str) -> dict:
             shard_kwargs={"mixed_precision": __import__("shardwise").MixedPrecision(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}),
         "counted": _counted_step,
+        "zero2_no_sync": lambda r, w: _parity(r, w, *gpt, micro=2, shard_kwargs={"strategy": "shard_optim_grad"}),
+        "zero1_tied": lambda r, w: _parity(r, w, lambda: GPT(tiny_gpt_config(tie_weights=True)), {Block}, gpt_loss, 62,
+                                           shard_kwargs={"strategy": "shard_optim"}),
     }
     if ws == 1:
         s["torch_muon_bf16"] = lambda r, w: _parity(r, w, *gpt, opts={"lr": 0.02, "adamw_lr": 1e-2, "adamw_eps": 1e-3},
@@ -232,7 +237,7 @@ def _report(ws: int) -> list[dict]:
 
 WORLD_SIZES = [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)]
 CASES = ["gpt", "no_sync_nesterov_off_match_rms", "tied_gpt", "shared_across_units", "frozen_lora",
-         "bf16_mixed_precision"]
+         "bf16_mixed_precision", "zero2_no_sync", "zero1_tied"]
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)

@@ -1,0 +1,27 @@
+"""``--lora-r``: the trainer's model wrapped by peft LoRA (``shardwise.lora``) before it is sharded."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from shardwise.trainer.config import ConfigError, TrainConfig
+from shardwise.trainer.model_factory import ModelSpec
+
+
+def wrap_lora(cfg: TrainConfig, spec: ModelSpec, model: nn.Module, init_fn: Callable[[nn.Module], None] | None,
+              on_meta: bool) -> tuple[nn.Module, Callable[[nn.Module], None] | None]:
+    """(peft model, its ``param_init_fn``). Before shard(): the frozen base then costs no gradient memory or
+    traffic. On meta, the adapters are initialised inside shard() the way peft initialises them."""
+    from shardwise.lora import LoraSettings, apply_lora, lora_param_init_fn
+
+    if spec.kind != "hf":
+        raise ConfigError(f"--lora-r {cfg.lora_r}: LoRA needs a Hugging Face model (--model DIR or "
+                          f"PATH/config.json); {spec.name} is a shardwise GPT preset")
+    settings = LoraSettings(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                            target_modules=tuple(cfg.lora_target_modules),
+                            base_dtype=torch.bfloat16 if cfg.lora_base_dtype == "bf16" else None)
+    model = apply_lora(model, settings)
+    return model, (lora_param_init_fn(model, init_fn) if on_meta else None)
