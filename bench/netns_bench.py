@@ -469,6 +469,17 @@ def refuse_unless_able() -> None:
         sys.exit(f"netns_bench.py: needs iproute2; not found on PATH: {', '.join(missing)}")
 
 
+def warn_stale_extension_locks(configs: list[Config]) -> None:
+    """DeepSpeed JIT-builds an op on first use; a run killed mid-build leaves torch's lock file, and every later
+    DeepSpeed run then waits on it until its timeout. Say so before the runs rather than after the timeouts."""
+    if not any(c.impl == "deepspeed" for c in configs):
+        return
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    for lock in root.glob("*/*/lock"):
+        print(f"# warning: {lock} exists; if no build is running it is stale (a killed build) and DeepSpeed "
+              "runs will hang on it: delete it", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker is not None:
@@ -488,6 +499,7 @@ def main(argv: list[str] | None = None) -> None:
         configs = [Config.parse(name.strip(), args.nproc_per_host) for name in args.configs.split(",") if name.strip()]
     except argparse.ArgumentTypeError as exc:
         sys.exit(f"netns_bench.py: {exc}")
+    warn_stale_extension_locks(configs)
     # SIGTERM (and SIGINT, as KeyboardInterrupt) unwind through the finally below, which tears the network down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
