@@ -7,6 +7,7 @@ from shardwise.full_params import register_forward_method, summon_full_params
 from shardwise.grad_scaler import ShardedGradScaler
 from shardwise.mixed_precision import MixedPrecision
 from shardwise.offload import CPUOffload
+from shardwise.pretrained import load_pretrained, skip_weight_init
 from shardwise.state_dict import full_state_dict, load_full_state_dict
 from shardwise.strategy import Strategy
 
@@ -24,6 +25,8 @@ __all__ = [
     "load_checkpoint",
     "CheckpointManager",
     "export_checkpoint",
+    "load_pretrained",
+    "skip_weight_init",
     "MixedPrecision",
     "ShardedGradScaler",
     "CPUOffload",

@@ -60,7 +60,7 @@ def build_sharded_model(cfg: TrainConfig, spec: ModelSpec, device: torch.device)
     model = meta_model if on_meta else spec.build("cpu")
     del meta_model
     units = spec.units(model, cfg.auto_wrap, cfg.transformer_layer_cls_to_wrap)
-    return shardwise.shard(
+    model = shardwise.shard(
         model,
         units=units,
         strategy=cfg.sharding_strategy,
@@ -70,6 +70,8 @@ def build_sharded_model(cfg: TrainConfig, spec: ModelSpec, device: torch.device)
         device=device,
         activation_checkpointing=cfg.activation_checkpointing,
     )
+    spec.load_weights(model)  # --model DIR with weights: each rank reads its own shards
+    return model
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -112,6 +114,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     spec = resolve_model(cfg.model)
     seed_everything(cfg.seed)
     os.makedirs(cfg.out, exist_ok=True)
+    if rank == 0:
+        spec.save_model_files(cfg.out)  # a Hugging Face model directory's tokenizer, for export
 
     train_stream, val_stream = open_splits(cfg.data, cfg.val_fraction)
     train_data = BatchSampler(train_stream, cfg.seq_len, cfg.batch_size, rank, world, cfg.seed, stream_id=0)

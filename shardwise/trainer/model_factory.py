@@ -7,14 +7,18 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardwise.errors import ShardwiseError
 from shardwise.models.gpt import GPT, PRESETS, Block, GPTConfig
 from shardwise.hf_init import hf_param_init_fn
+from shardwise.pretrained import load_pretrained, skip_weight_init
+from shardwise.pretrained_files import RUN_MODEL_FILES, copy_model_files, weight_file_names
 from shardwise.trainer import hf_model
 
 # Hugging Face models above this many parameters are built on the meta device and materialised shard by
@@ -35,6 +39,8 @@ class ModelSpec:
     max_seq_len: Optional[int]
     n_layer: int
     hidden: int
+    weights_dir: Optional[str] = None  # a Hugging Face model directory with weights: loaded after shard()
+    source: str = ""  # what --model named
 
     def build(self, device: torch.device | str = "cpu") -> nn.Module:
         """The model with random weights on ``device`` ('meta': shapes only)."""
@@ -45,7 +51,19 @@ class ModelSpec:
 
     def param_init_fn(self, model: nn.Module, device: torch.device) -> Optional[Callable[[nn.Module], None]]:
         """What ``shard`` calls per module of a meta-built model (None: the modules' reset_parameters)."""
+        if self.weights_dir is not None:
+            return skip_weight_init(model)  # load_weights overwrites every parameter: no random init first
         return None if self.kind == "gpt" else hf_param_init_fn(model, device)
+
+    def save_model_files(self, out: str) -> None:
+        """Keep the model directory's tokenizer files in the run directory, for ``shardwise export``."""
+        if self.kind == "hf" and os.path.isdir(self.source):
+            copy_model_files(self.source, os.path.join(out, RUN_MODEL_FILES))
+
+    def load_weights(self, model: nn.Module) -> None:
+        """After ``shard()``: each rank reads its shards of the pretrained weights (``shardwise.load_pretrained``)."""
+        if self.weights_dir is not None:
+            load_pretrained(model, self.weights_dir)
 
     def default_block_classes(self, model: nn.Module) -> set[type]:
         """The transformer block class(es): GPT's Block, or the HF model's ``_no_split_modules``."""
@@ -82,8 +100,8 @@ class ModelSpec:
 
     def build_on_meta(self, num_params: int) -> bool:
         """GPT presets always: their meta init reproduces the eager init exactly, and no rank then ever holds
-        the whole model. Hugging Face models from META_BUILD_MIN_PARAMS up."""
-        return self.kind == "gpt" or num_params >= META_BUILD_MIN_PARAMS
+        the whole model. Hugging Face models from META_BUILD_MIN_PARAMS up, and always with pretrained weights."""
+        return self.kind == "gpt" or num_params >= META_BUILD_MIN_PARAMS or self.weights_dir is not None
 
 
 def resolve_model(name: str) -> ModelSpec:
@@ -104,8 +122,18 @@ def resolve_model(name: str) -> ModelSpec:
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         return ModelSpec(f"{cfg.model_type}:{os.path.basename(os.path.normpath(name))}", "hf", cfg,
                          int(text.vocab_size), hf_model.hf_max_positions(cfg), hf_model.hf_num_layers(cfg),
-                         hf_model.hf_hidden_size(cfg))
+                         hf_model.hf_hidden_size(cfg), _weights_dir(name), name)
     raise ModelError(f"unknown model {name!r}; valid: {', '.join(PRESETS)}, or a path to a Hugging Face config.json")
+
+
+def _weights_dir(path: str) -> Optional[str]:
+    """``path`` when it is a model directory holding weights (a config.json path means random init)."""
+    if not os.path.isdir(path):
+        return None
+    try:
+        return path if weight_file_names(Path(path)) is not None else None
+    except ShardwiseError as e:  # pickle weights only, or a damaged index
+        raise ModelError(str(e)) from None
 
 
 def _shardwise_gpt_config(path: str) -> Optional[GPTConfig]:
