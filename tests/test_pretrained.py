@@ -64,7 +64,7 @@ def _load_worker(rank, world, dirs):
     safetensors_file.SafetensorsFile._read_into = counting
     out = {}
     for name, directory in dirs.items():
-        model = meta_model(directory)
+        model = meta_model(directory).eval()  # from_pretrained's mode: no dropout (GPT-2 has some)
         shardwise.shard(model, param_init_fn=shardwise.skip_weight_init(model))
         read["bytes"] = 0
         shardwise.load_pretrained(model, directory)
