@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from shardwise import api
 from shardwise.checkpoint import agree
@@ -50,7 +50,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.hf_init import hf_param_init_fn, is_hf_model
 from shardwise.pretrained_files import PretrainedWeights
 
-Rename = Callable[[str], Optional[str]]
+Rename = Callable[[str], str | None]
 
 
 @dataclass
@@ -61,10 +61,10 @@ class Target:
     shape: tuple[int, ...]
     dtype: torch.dtype
     is_buffer: bool
-    key: Optional[str] = None  # the file tensor it is read from, once matched
+    key: str | None = None  # the file tensor it is read from, once matched
 
 
-def load_pretrained(model: nn.Module, directory: os.PathLike | str, *, rename: Optional[Rename] = None) -> nn.Module:
+def load_pretrained(model: nn.Module, directory: os.PathLike | str, *, rename: Rename | None = None) -> nn.Module:
     """Fill a ``shardwise.shard()``-ed model with the weights of Hugging Face model directory ``directory``
     (``model.safetensors``, or ``model-*.safetensors`` with ``model.safetensors.index.json``). Collective:
     call it on every rank, right after ``shard()`` and before training. Returns ``model``.
@@ -86,7 +86,7 @@ def load_pretrained(model: nn.Module, directory: os.PathLike | str, *, rename: O
     return model
 
 
-def _load(model: nn.Module, runtime, directory, rename: Optional[Rename]) -> list[str]:
+def _load(model: nn.Module, runtime, directory, rename: Rename | None) -> list[str]:
     params = [Target([r.fqn for r in spec.refs], tuple(spec.shape), spec.dtype, False)
               for spec in runtime.plan.params()]
     targets = params + persistent_buffers(model)
@@ -150,7 +150,7 @@ def check_loadable(model: nn.Module, directory: os.PathLike | str) -> None:
 # ---- matching names -----------------------------------------------------------------------------------------
 
 
-def match(model: nn.Module, targets: list[Target], weights: PretrainedWeights, rename: Optional[Rename]) -> list[str]:
+def match(model: nn.Module, targets: list[Target], weights: PretrainedWeights, rename: Rename | None) -> list[str]:
     """Set ``target.key`` for every target the file holds; raise for a missing parameter or a mismatch.
     Returns the file tensors nothing uses (after Hugging Face's ignore rules)."""
     hf, prefix = _hf_model(model)
@@ -236,7 +236,11 @@ def _hf_key_mapping(hf: nn.Module, model_keys: set[str]) -> tuple[Callable[[str]
     present = dict.fromkeys(model_keys, True)
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            rename_source_key,
+        )
     except ImportError:
         get_model_conversion_mapping = None
 

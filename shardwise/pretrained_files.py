@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Self
 
 from shardwise.checkpoint.files import check_plain_name, read_small_file
 from shardwise.checkpoint.safetensors_file import SafetensorsFile, TensorInfo
@@ -58,7 +58,7 @@ def _exists(directory: Path, name: str) -> bool:
     return os.path.lexists(Path(directory) / name)
 
 
-def weight_file_names(directory: Path) -> Optional[list[str]]:
+def weight_file_names(directory: Path) -> list[str] | None:
     """The safetensors files of ``directory``, from its index or the single file; None when it holds no
     weights at all. Raises for pickle-only weights (with the conversion) and for a damaged index."""
     directory = Path(directory)
@@ -132,7 +132,7 @@ class PretrainedWeights:
                 raise ShardwiseError(f"{d / INDEX_FILE}: lists {absent[0]!r} in {index[absent[0]]}, which does not hold "
                                      f"it{f' ({len(absent)} such tensors)' if len(absent) > 1 else ''}")
 
-    def __enter__(self) -> "PretrainedWeights":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -150,7 +150,7 @@ class PretrainedWeights:
         """Elements ``[start, start + out.numel())`` of tensor ``key`` (flattened) into ``out``."""
         self.where[key][0].read_into(key, start, out)
 
-    def read(self, key: str, start: Optional[int] = None, stop: Optional[int] = None):
+    def read(self, key: str, start: int | None = None, stop: int | None = None):
         return self.where[key][0].read(key, start, stop)
 
 

@@ -21,13 +21,14 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import hf_dirs  # noqa: E402
-import shardwise  # noqa: E402
-from harness import run_distributed  # noqa: E402
-from parity_utils import assert_engine_clean  # noqa: E402
-from shardwise import ShardwiseError  # noqa: E402
-from shardwise.pretrained import check_loadable  # noqa: E402
-from shardwise.pretrained_files import PretrainedWeights  # noqa: E402
+import hf_dirs
+from harness import run_distributed
+from parity_utils import assert_engine_clean
+
+import shardwise
+from shardwise import ShardwiseError
+from shardwise.pretrained import check_loadable
+from shardwise.pretrained_files import PretrainedWeights
 
 CASES = {  # name -> (family, shards, dtype)
     "llama-single-fp32": ("llama", False, None),
@@ -136,6 +137,16 @@ def _rewrite_header(path, edit) -> None:
         f.write(struct.pack("<Q", len(raw)) + raw + data)
 
 
+def _read_bytes(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _index(directory) -> dict:
+    with open(os.path.join(directory, "model.safetensors.index.json")) as f:
+        return json.load(f)["weight_map"]
+
+
 def _rewrite_index(directory, edit) -> None:
     path = os.path.join(directory, "model.safetensors.index.json")
     with open(path) as f:
@@ -153,7 +164,7 @@ def _first_key(directory, file="model.safetensors"):
 def _hostile_cases(model_dirs, tmp_path):
     single, index = model_dirs["llama-single-fp32"], model_dirs["qwen2-index-fp32"]
     outside = tmp_path / "outside.safetensors"
-    outside.write_bytes(open(os.path.join(single, "model.safetensors"), "rb").read())
+    outside.write_bytes(_read_bytes(os.path.join(single, "model.safetensors")))
     cases = []
 
     def case(label, base, edit, *fragments):
@@ -161,7 +172,9 @@ def _hostile_cases(model_dirs, tmp_path):
         edit(d)
         cases.append((label, d, fragments))
 
-    first_file = lambda d: sorted(set(json.load(open(os.path.join(d, "model.safetensors.index.json")))["weight_map"].values()))[0]  # noqa: E731
+    def first_file(d):
+        return min(_index(d).values())
+
     case("dotdot", index, lambda d: _rewrite_index(d, lambda m: m.update({k: "../" + v for k, v in m.items()})),
          "not a plain file name")
     case("absolute", index, lambda d: _rewrite_index(d, lambda m: m.update({k: str(outside) for k in m})),
@@ -187,7 +200,8 @@ def _hostile_cases(model_dirs, tmp_path):
 
     def pickle_only(d):
         os.remove(os.path.join(d, "model.safetensors"))
-        open(os.path.join(d, "pytorch_model.bin"), "wb").write(b"not read")
+        with open(os.path.join(d, "pytorch_model.bin"), "wb") as f:
+            f.write(b"not read")
     case("bin-only", single, pickle_only, "pytorch_model.bin", "pickle", "save_pretrained")
     case("no-weights", single, lambda d: os.remove(os.path.join(d, "model.safetensors")), "holds no weights")
 
@@ -196,7 +210,7 @@ def _hostile_cases(model_dirs, tmp_path):
 
         f = first_file(d)
         tensors = load_file(os.path.join(d, f))
-        gone = sorted(tensors)[0]
+        gone = min(tensors)
         del tensors[gone]
         save_file(tensors, os.path.join(d, f), metadata={"format": "pt"})
         _rewrite_index(d, lambda m: m.pop(gone))
@@ -213,10 +227,9 @@ def _hostile_cases(model_dirs, tmp_path):
     def untied_values(d):  # qwen2 ties lm_head to the embedding; a file holding a different lm_head cannot load
         from safetensors.torch import load_file, save_file
 
-        f = [x for x in os.listdir(d) if x.endswith(".safetensors")][0]
+        f = min(_index(d).values())
         tensors = load_file(os.path.join(d, f))
-        emb = load_file(os.path.join(d, json.load(open(os.path.join(d, "model.safetensors.index.json")))
-                                     ["weight_map"]["model.embed_tokens.weight"]))["model.embed_tokens.weight"]
+        emb = load_file(os.path.join(d, _index(d)["model.embed_tokens.weight"]))["model.embed_tokens.weight"]
         tensors["lm_head.weight"] = emb + 1
         save_file(tensors, os.path.join(d, f), metadata={"format": "pt"})
         _rewrite_index(d, lambda m: m.update({"lm_head.weight": f}))
@@ -259,3 +272,64 @@ def test_unused_tensors_named_and_renamed_prefix_loads(model_dirs, tmp_path):
 def test_unsharded_model_refused():
     with pytest.raises(ShardwiseError, match="not sharded"):
         shardwise.load_pretrained(torch.nn.Linear(2, 2), "/nonexistent")
+
+
+# ---- memory: a model of >= 1 GB on disk ---------------------------------------------------------------------
+
+BIG = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 16,
+       "num_attention_heads": 16, "num_key_value_heads": 16, "tie_word_embeddings": False}
+
+
+def _write_big_model(directory: str) -> int:
+    """A 1.08 GB fp32 Llama on disk, written one tensor at a time (the test never holds it whole)."""
+    from pathlib import Path
+
+    from transformers import LlamaConfig
+
+    from shardwise.checkpoint.format import write_safetensors_streamed
+
+    cfg = LlamaConfig(**BIG)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    layout = [(n, torch.float32, tuple(p.shape)) for n, p in meta.named_parameters()]
+    shapes = {n: s for n, _, s in layout}
+    size, _ = write_safetensors_streamed(Path(directory) / "model.safetensors", layout,
+                                         lambda n: torch.full(shapes[n], 0.01), metadata={"format": "pt"})
+    cfg.save_pretrained(directory)
+    return size
+
+
+def _memory_worker(rank, world, directory):
+    import resource
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    model = meta_model(directory)
+    before = rss()
+    maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    shardwise.shard(model, param_init_fn=shardwise.skip_weight_init(model))
+    shardwise.load_pretrained(model, directory)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    groups = [g for u in shardwise.api.runtime_of(model).units for g in u.groups]
+    return {"increase": peak - before, "earlier_peak": maxrss_before - before,
+            "shard_bytes": sum(g.shard.numel() * g.shard.element_size() for g in groups),
+            "largest_tensor": max(p.numel() * 4 for g in groups for p in g.plan.params),
+            "loaded": all(bool((g.shard[:10] == 0.01).all()) for g in groups if g.shard.numel() >= 10)}
+
+
+@pytest.mark.slow
+def test_peak_memory_is_own_shards_plus_one_tensor(tmp_path):
+    """Measured: the peak RSS of each rank (``ru_maxrss``, kernel-tracked) during shard() + load_pretrained, minus
+    its RSS before (meta model built, libraries imported). It must stay within the rank's shard bytes plus
+    the largest tensor, plus 64 MiB of allocator and interpreter noise; the whole model is 1.08 GB."""
+    size = _write_big_model(str(tmp_path))
+    assert size >= 10**9
+    results = run_distributed(_memory_worker, 2, str(tmp_path), timeout_s=600)
+    for r in results:
+        assert r["loaded"]
+        assert r["earlier_peak"] < 64 << 20  # the baseline really was the peak so far
+        limit = r["shard_bytes"] + r["largest_tensor"] + (64 << 20)
+        assert r["increase"] <= limit, r
+        assert r["increase"] < size * 0.75, r  # far from the whole model

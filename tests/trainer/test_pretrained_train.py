@@ -15,10 +15,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import hf_dirs  # noqa: E402
-from harness import run_distributed  # noqa: E402
-from shardwise.trainer.config import TrainConfig  # noqa: E402
-from shardwise.trainer.model_factory import ModelError, resolve_model  # noqa: E402
+import hf_dirs
+from harness import run_distributed
+
+from shardwise.trainer.config import TrainConfig
+from shardwise.trainer.model_factory import ModelError, resolve_model
 
 
 def _train_worker(rank, world, cfg_values):
