@@ -9,7 +9,8 @@
 
 The model (random weights, stored in bf16, index-sharded like a Hub download) is written to a temporary
 directory and deleted afterwards. Masters are fp32 in every method. Each method runs in fresh processes
-(gloo, CPU), so ``ru_maxrss`` is that method's peak; "peak +RSS" is it minus the RSS after imports. The file
+(gloo, CPU); "peak +RSS" is the kernel's peak RSS (VmHWM, reset after imports through /proc/self/clear_refs)
+minus the RSS at that point. The file
 is in the page cache after the first method (written just before): timings are warm-cache reads, not disk.
 
     python bench/load_pretrained_bench.py [--layers 16] [--hidden 2048] [--keep-dir DIR]
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -32,9 +32,10 @@ import torch
 METHODS = ("shardwise", "hf-every-rank", "hf-rank0-sync")
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def status_bytes(field: str) -> int:
+    """VmRSS, or VmHWM (the peak RSS since the last reset), from /proc/self/status, in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
 def make_model_dir(directory: str, layers: int, hidden: int) -> int:
@@ -83,7 +84,11 @@ def worker(rank: int, world: int, init_file: str, method: str, directory: str, o
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=1800))
-    base = rss_bytes()
+    with torch.device("meta"):  # imports of the model's code, outside the timed region for every method
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    base = status_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # Linux: VmHWM restarts from the current RSS
     dist.barrier()
     t0 = time.perf_counter()
     if method == "shardwise":
@@ -102,7 +107,7 @@ def worker(rank: int, world: int, init_file: str, method: str, directory: str, o
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=torch.float32)
         shardwise.shard(model, sync_module_states=True)
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = status_bytes("VmHWM")
     shard_bytes = sum(g.shard.numel() * g.shard.element_size() for u in runtime_of(model).units for g in u.groups)
     checksum = sum(float(g.shard.double().sum()) for u in runtime_of(model).units for g in u.groups)
     with open(f"{out_file}.{rank}", "w") as f:

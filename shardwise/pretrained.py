@@ -167,7 +167,7 @@ def match(model: nn.Module, targets: list[Target], weights: PretrainedWeights, r
     for key in weights.where:
         model_key = to_model(key)
         if model_key not in local:
-            if not ignored(key):
+            if not ignored(model_key):  # from_pretrained matches its ignore patterns against renamed names
                 unexpected.append(key)
             continue
         found.setdefault(id(local[model_key]), []).append(key)

@@ -300,36 +300,36 @@ def _write_big_model(directory: str) -> int:
 
 
 def _memory_worker(rank, world, directory):
-    import resource
-
-    def rss():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    def status_bytes(field):  # VmRSS / VmHWM (the peak since the last reset) from /proc/self/status, in bytes
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
     model = meta_model(directory)
-    before = rss()
-    maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = status_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # Linux: reset VmHWM to the current RSS, so that it measures from here
     shardwise.shard(model, param_init_fn=shardwise.skip_weight_init(model))
     shardwise.load_pretrained(model, directory)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = status_bytes("VmHWM")
     groups = [g for u in shardwise.api.runtime_of(model).units for g in u.groups]
-    return {"increase": peak - before, "earlier_peak": maxrss_before - before,
+    return {"increase": peak - before, "baseline": before,
             "shard_bytes": sum(g.shard.numel() * g.shard.element_size() for g in groups),
-            "largest_tensor": max(p.numel() * 4 for g in groups for p in g.plan.params),
+            "largest_tensor": max(p.numel * 4 for g in groups for p in g.plan.params),
             "loaded": all(bool((g.shard[:10] == 0.01).all()) for g in groups if g.shard.numel() >= 10)}
 
 
 @pytest.mark.slow
 def test_peak_memory_is_own_shards_plus_one_tensor(tmp_path):
-    """Measured: the peak RSS of each rank (``ru_maxrss``, kernel-tracked) during shard() + load_pretrained, minus
-    its RSS before (meta model built, libraries imported). It must stay within the rank's shard bytes plus
-    the largest tensor, plus 64 MiB of allocator and interpreter noise; the whole model is 1.08 GB."""
+    """Measured: the peak RSS of each rank during shard() + load_pretrained (the kernel's VmHWM, reset just
+    before through /proc/self/clear_refs), minus its RSS before (meta model built, libraries imported). It
+    must stay within the rank's shard bytes plus the largest tensor, plus 64 MiB of allocator and interpreter
+    noise; the whole model is 1.08 GB (measured 2026-11-22: +551 MB per rank for 542 MB of shards)."""
     size = _write_big_model(str(tmp_path))
     assert size >= 10**9
     results = run_distributed(_memory_worker, 2, str(tmp_path), timeout_s=600)
+    print("memory per rank:", results)  # the measurement, for -s runs
     for r in results:
         assert r["loaded"]
-        assert r["earlier_peak"] < 64 << 20  # the baseline really was the peak so far
         limit = r["shard_bytes"] + r["largest_tensor"] + (64 << 20)
         assert r["increase"] <= limit, r
         assert r["increase"] < size * 0.75, r  # far from the whole model
