@@ -1,6 +1,7 @@
 """Export a sharded checkpoint as one full model: safetensors files (several, with an index, for big
 models) plus, for a model built from a Hugging Face config, the ``config.json`` that lets
-``AutoModelForCausalLM.from_pretrained(OUT)`` load it.
+``AutoModelForCausalLM.from_pretrained(OUT)`` load it, and the tokenizer and generation files of the model
+directory a run started from (``shardwise train --model DIR`` keeps them in the run directory's ``hf_files/``).
 
 Runs in one process with no process group. Before writing anything, the checkpoint is verified as a
 whole (``verify.py``: commit record, manifest schema, every file's size, SHA-256 and header) and the
