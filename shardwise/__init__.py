@@ -8,6 +8,7 @@ from shardwise.grad_scaler import ShardedGradScaler
 from shardwise.mixed_precision import MixedPrecision
 from shardwise.offload import CPUOffload
 from shardwise.logical_shapes import ParamInfo, named_param_infos, num_parameters, param_info
+from shardwise.pretrained import load_pretrained, skip_weight_init
 from shardwise.state_dict import full_state_dict, load_full_state_dict
 from shardwise.strategy import Strategy
 
@@ -25,6 +26,8 @@ __all__ = [
     "load_checkpoint",
     "CheckpointManager",
     "export_checkpoint",
+    "load_pretrained",
+    "skip_weight_init",
     "MixedPrecision",
     "ShardedGradScaler",
     "CPUOffload",

@@ -201,3 +201,14 @@ def _check_peft(model: nn.Module) -> None:
     if not is_peft_model(model):
         raise ShardwiseError(f"{type(model).__name__} is not a peft model: wrap it with shardwise.lora.apply_lora "
                              f"(or peft.get_peft_model) before shardwise.shard")
+
+
+def pretrained_name(name: str) -> "str | None":
+    """The name a peft-wrapped model's parameter has in the base model's checkpoint, for
+    ``shardwise.load_pretrained(..., rename=pretrained_name)``: peft's ``base_model.model.`` prefix and
+    ``.base_layer`` dropped; None for the adapters, which the checkpoint does not hold (they keep their init)."""
+    if ".lora_" in name or name.startswith("lora_"):
+        return None
+    if name.startswith("base_model.model."):
+        name = name[len("base_model.model."):]
+    return name.replace(".base_layer.", ".")

@@ -173,3 +173,29 @@ def test_meta_built_peft_model_starts_equal_to_its_base(out_root):
     r = scenario(_report(2, str(out_root / "ws2")), "meta")
     assert r["logits_equal_base"] and r["b_zero"] and r["a_random"] and r["a_bounded"] and r["base_finite"], r
     assert r["n_a"] == 3 * 2  # three target modules in each of two layers
+
+
+def _lora_on_pretrained(rank, world_size, directory):
+    import shardwise
+    from shardwise.lora import LoraSettings, apply_lora, lora_param_init_fn, pretrained_name
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=torch.float32)
+    model = apply_lora(model, LoraSettings(r=4, target_modules=("q_proj", "v_proj")))
+    model = shardwise.shard(model, param_init_fn=lora_param_init_fn(model, shardwise.skip_weight_init(model)))
+    shardwise.load_pretrained(model, directory, rename=pretrained_name)
+    x = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return (model(x).logits - ref(x).logits).abs().max().item()
+
+
+def test_lora_model_loads_the_pretrained_base_and_starts_as_it(tmp_path):
+    """The trainer's --model DIR --lora-r path: the base's shards come from the files (peft's names mapped by
+    shardwise.lora.pretrained_name), the adapters keep peft's init (B = 0): logits equal from_pretrained's."""
+    from hf_dirs import make_model_dir
+
+    directory = make_model_dir(str(tmp_path / "llama"), "llama")
+    errs = run_distributed(_lora_on_pretrained, 2, directory)
+    assert max(errs) == 0.0, errs

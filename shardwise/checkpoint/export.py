@@ -1,6 +1,7 @@
 """Export a sharded checkpoint as one full model: safetensors files (several, with an index, for big
 models) plus, for a model built from a Hugging Face config, the ``config.json`` that lets
-``AutoModelForCausalLM.from_pretrained(OUT)`` load it.
+``AutoModelForCausalLM.from_pretrained(OUT)`` load it, and the tokenizer and generation files of the model
+directory a run started from (``shardwise train --model DIR`` keeps them in the run directory's ``hf_files/``).
 
 Runs in one process with no process group. Before writing anything, the checkpoint is verified as a
 whole (``verify.py``: commit record, manifest schema, every file's size, SHA-256 and header) and the
@@ -36,13 +37,14 @@ from shardwise.checkpoint.model_description import description_problem
 from shardwise.checkpoint.safetensors_file import SafetensorsFile
 from shardwise.checkpoint.verify import close_all, open_verified, read_manifest
 from shardwise.errors import ShardwiseError
+from shardwise.pretrained_files import RUN_MODEL_FILES, TOKENIZER_FILES, copy_model_files
 
 PathLike = Union[str, os.PathLike]
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _EXPORT_OUTPUT = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|config\.json"
-                            r"|shardwise_model\.json)$")
+                            r"|shardwise_model\.json|" + "|".join(re.escape(n) for n in TOKENIZER_FILES) + ")$")
 
 
 def resolve_checkpoint(src: PathLike) -> Path:
@@ -127,6 +129,9 @@ def export_checkpoint(
                 weight_map = {name: file_name for file_name, shard in zip(file_names, shards) for name, _, _ in shard}
                 write_json_durably(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
             _write_config(manifest, tmp, dtype)
+            # A run started from a Hugging Face model directory kept its tokenizer files (trainer: save_model_files).
+            if (ckpt.parent / RUN_MODEL_FILES).is_dir():
+                copy_model_files(ckpt.parent / RUN_MODEL_FILES, tmp)
             fsync_dir(tmp)
             _replace(tmp, out)
         except OSError as e:  # a full disk, say: one line naming the file, and OUT as it was

@@ -25,7 +25,7 @@ def check_plain_name(name: object, where: str) -> str:
     if not isinstance(name, str):
         raise ShardwiseError(f"{where}: file name {name!r} is not a string")
     if not _PLAIN_NAME.match(name) or name in (".", ".."):
-        raise ShardwiseError(f"{where}: file name {name[:80]!r} is not a plain file name inside the checkpoint "
+        raise ShardwiseError(f"{where}: file name {name[:80]!r} is not a plain file name inside the "
                              f"directory (letters, digits, '_', '-', '.'; no path separators, '..' or absolute "
                              f"paths); refusing to open it")
     return name
@@ -60,8 +60,8 @@ def read_small_file(directory: Path, name: str, limit: int, where: str) -> bytes
     fd, size = open_inside(directory, name, where)
     try:
         if size > limit:
-            raise ShardwiseError(f"{Path(directory) / name}: {size} bytes, more than the {limit} a shardwise "
-                                 f"checkpoint's {name} may have; not a shardwise file, or a damaged one")
+            raise ShardwiseError(f"{Path(directory) / name}: {size} bytes, more than the {limit} a {name} "
+                                 f"may have here; not the expected file, or a damaged one")
         chunks, remaining = [], size
         while remaining > 0:
             chunk = os.read(fd, remaining)

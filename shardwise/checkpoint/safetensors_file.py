@@ -151,20 +151,28 @@ class SafetensorsFile:
                                  f"(renamed, or a file from another checkpoint)") from None
 
     def read(self, key: str, start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
-        """The whole tensor ``key``, or elements ``[start, stop)`` of a 1-D one, read from disk now."""
+        """The whole tensor ``key``, or elements ``[start, stop)`` of it flattened (1-D), read from disk now."""
         info = self.info(key)
         if start is None:
             out = torch.empty(info.shape, dtype=info.dtype)
-            offset, nbytes = info.begin, info.nbytes
+            self.read_into(key, 0, out)
         else:
-            if len(info.shape) != 1 or not 0 <= start <= stop <= info.shape[0]:
-                raise ShardwiseError(f"{self.path}: cannot read elements [{start}, {stop}) of tensor {key!r} "
-                                     f"of shape {list(info.shape)}")
-            out = torch.empty(stop - start, dtype=info.dtype)
-            offset, nbytes = info.begin + start * info.dtype.itemsize, (stop - start) * info.dtype.itemsize
-        if nbytes:
-            self._read_into(memoryview(out.reshape(-1).view(torch.uint8).numpy()), offset)
+            out = torch.empty(max(0, stop - start), dtype=info.dtype)
+            self.read_into(key, start, out)
         return out
+
+    def read_into(self, key: str, start: int, out: torch.Tensor) -> None:
+        """Elements ``[start, start + out.numel())`` of tensor ``key`` flattened, read straight into ``out`` (a
+        contiguous CPU tensor of the file's dtype): only those bytes are read, and nothing else is allocated."""
+        info = self.info(key)
+        numel = info.nbytes // info.dtype.itemsize if info.dtype.itemsize else 0
+        stop = start + out.numel()
+        if not 0 <= start <= stop <= numel or out.dtype != info.dtype or not out.is_contiguous() or out.device.type != "cpu":
+            raise ShardwiseError(f"{self.path}: cannot read elements [{start}, {stop}) of tensor {key!r} "
+                                 f"(shape {list(info.shape)}, {info.dtype}) into a {out.dtype} tensor")
+        if stop > start:
+            view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+            self._read_into(view, info.begin + start * info.dtype.itemsize)
 
     def _read_into(self, view: memoryview, offset: int) -> None:
         done = 0

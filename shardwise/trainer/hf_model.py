@@ -75,8 +75,10 @@ def build_hf_model(config, device: torch.device | str = "cpu") -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     # SDPA attention: memory-efficient on CPU and GPU, and the attention shardwise's planner models.
+    # fp32 masters whatever dtype config.json names (transformers 5 would build a bf16 config in bf16):
+    # the optimizer updates them; --mixed-precision bf16 computes in bf16.
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     model.config.use_cache = False  # training: no KV cache kept alive between micro-batches
     return model
 

@@ -64,7 +64,7 @@ def build_sharded_model(cfg: TrainConfig, spec: ModelSpec, device: torch.device)
     if cfg.lora_r:
         model, init_fn = wrap_lora(cfg, spec, model, init_fn if on_meta else None, on_meta)
     units = spec.units(model, cfg.auto_wrap, cfg.transformer_layer_cls_to_wrap)
-    return shardwise.shard(
+    model = shardwise.shard(
         model,
         units=units,
         strategy=cfg.sharding_strategy,
@@ -74,6 +74,14 @@ def build_sharded_model(cfg: TrainConfig, spec: ModelSpec, device: torch.device)
         device=device,
         activation_checkpointing=cfg.activation_checkpointing,
     )
+    # --model DIR with weights: each rank reads its own shards (the base's, under LoRA: adapters keep peft's init)
+    if cfg.lora_r:
+        from shardwise.lora import pretrained_name
+
+        spec.load_weights(model, rename=pretrained_name)
+    else:
+        spec.load_weights(model)
+    return model
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -122,6 +130,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     spec = resolve_model(cfg.model)
     seed_everything(cfg.seed)
     os.makedirs(cfg.out, exist_ok=True)
+    if rank == 0:
+        spec.save_model_files(cfg.out)  # a Hugging Face model directory's tokenizer, for export
 
     data = open_training_data(cfg, rank, world)
     train_data, val_data = data.train, data.val

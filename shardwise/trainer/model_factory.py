@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -14,8 +15,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardwise.arch_presets import ARCH_PRESETS
+from shardwise.errors import ShardwiseError
 from shardwise.hf_init import hf_param_init_fn
 from shardwise.models.gpt import GPT, PRESETS, Block, GPTConfig
+from shardwise.pretrained import load_pretrained, skip_weight_init
+from shardwise.pretrained_files import RUN_MODEL_FILES, copy_model_files, weight_file_names
 from shardwise.trainer import hf_model
 from shardwise.trainer.data import IGNORE_INDEX
 
@@ -37,6 +41,8 @@ class ModelSpec:
     max_seq_len: Optional[int]
     n_layer: int
     hidden: int
+    weights_dir: Optional[str] = None  # a Hugging Face model directory with weights: loaded after shard()
+    source: str = ""  # what --model named
 
     def build(self, device: torch.device | str = "cpu") -> nn.Module:
         """The model with random weights on ``device`` ('meta': shapes only)."""
@@ -47,7 +53,20 @@ class ModelSpec:
 
     def param_init_fn(self, model: nn.Module, device: torch.device) -> Optional[Callable[[nn.Module], None]]:
         """What ``shard`` calls per module of a meta-built model (None: the modules' reset_parameters)."""
+        if self.weights_dir is not None:
+            return skip_weight_init(model)  # load_weights overwrites every parameter: no random init first
         return None if self.kind == "gpt" else hf_param_init_fn(model, device)
+
+    def save_model_files(self, out: str) -> None:
+        """Keep the model directory's tokenizer files in the run directory, for ``shardwise export``."""
+        if self.kind == "hf" and os.path.isdir(self.source):
+            copy_model_files(self.source, os.path.join(out, RUN_MODEL_FILES))
+
+    def load_weights(self, model: nn.Module, rename=None) -> None:
+        """After ``shard()``: each rank reads its shards of the pretrained weights (``shardwise.load_pretrained``;
+        ``rename``: a peft-wrapped model's names, see ``shardwise.lora.pretrained_name``)."""
+        if self.weights_dir is not None:
+            load_pretrained(model, self.weights_dir, rename=rename)
 
     def default_block_classes(self, model: nn.Module) -> set[type]:
         """The transformer block class(es): GPT's Block, or the HF model's ``_no_split_modules``."""
@@ -84,8 +103,8 @@ class ModelSpec:
 
     def build_on_meta(self, num_params: int) -> bool:
         """GPT presets always: their meta init reproduces the eager init exactly, and no rank then ever holds
-        the whole model. Hugging Face models from META_BUILD_MIN_PARAMS up."""
-        return self.kind == "gpt" or num_params >= META_BUILD_MIN_PARAMS
+        the whole model. Hugging Face models from META_BUILD_MIN_PARAMS up, and always with pretrained weights."""
+        return self.kind == "gpt" or num_params >= META_BUILD_MIN_PARAMS or self.weights_dir is not None
 
 
 def resolve_model(name: str) -> ModelSpec:
@@ -103,17 +122,27 @@ def resolve_model(name: str) -> ModelSpec:
             cfg = hf_model.load_hf_config(name)
         except hf_model.HFConfigError as e:
             raise ModelError(str(e)) from None
-        return _hf_spec(f"{cfg.model_type}:{os.path.basename(os.path.normpath(name))}", cfg)
+        return _hf_spec(f"{cfg.model_type}:{os.path.basename(os.path.normpath(name))}", cfg, _weights_dir(name), name)
     if name in ARCH_PRESETS:
         return _hf_spec(name, hf_model.hf_config_from_dict(ARCH_PRESETS[name], f"preset {name!r}"))
     raise ModelError(f"unknown model {name!r}; valid: {', '.join(PRESETS)}, the architecture presets "
                      f"{', '.join(ARCH_PRESETS)} (random init), or a path to a Hugging Face config.json")
 
 
-def _hf_spec(name: str, cfg) -> ModelSpec:
+def _hf_spec(name: str, cfg, weights_dir: Optional[str] = None, source: str = "") -> ModelSpec:
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     return ModelSpec(name, "hf", cfg, int(text.vocab_size), hf_model.hf_max_positions(cfg),
-                     hf_model.hf_num_layers(cfg), hf_model.hf_hidden_size(cfg))
+                     hf_model.hf_num_layers(cfg), hf_model.hf_hidden_size(cfg), weights_dir, source or name)
+
+
+def _weights_dir(path: str) -> Optional[str]:
+    """``path`` when it is a model directory holding weights (a config.json path means random init)."""
+    if not os.path.isdir(path):
+        return None
+    try:
+        return path if weight_file_names(Path(path)) is not None else None
+    except ShardwiseError as e:  # pickle weights only, or a damaged index
+        raise ModelError(str(e)) from None
 
 
 def _shardwise_gpt_config(path: str) -> Optional[GPTConfig]:

@@ -45,6 +45,7 @@ def check_before_launch(cfg: TrainConfig, world_size: int, local_ranks: int, lau
         raise ModelError(str(e) if str(e).startswith("--model") else
                          f"--model: {e}" if named else f"--model {cfg.model}: {e}") from None
     model = build_meta(cfg, spec)
+    check_weights(cfg, spec, model)
     check_out(cfg)  # before the data: .jsonl data is tokenised into the run directory
     check_data(cfg, spec, world_size, build_cache=launching)
     check_resume(cfg, model)
@@ -83,6 +84,19 @@ def build_meta(cfg: TrainConfig, spec: ModelSpec) -> nn.Module:
     spec.units(model, cfg.auto_wrap, cfg.transformer_layer_cls_to_wrap)  # raises for unknown block classes
     check_seq_len(cfg, spec)
     return model
+
+
+def check_weights(cfg: TrainConfig, spec: ModelSpec, model: nn.Module) -> None:
+    """--model DIR with weights: headers, index, names and shapes against the meta model, no tensor data read."""
+    from shardwise.errors import ShardwiseError
+    from shardwise.pretrained import check_loadable
+
+    if spec.weights_dir is None:
+        return
+    try:
+        check_loadable(model, spec.weights_dir)
+    except ShardwiseError as e:
+        raise ModelError(f"--model {cfg.model}: {e}") from None
 
 
 def check_seq_len(cfg: TrainConfig, spec: ModelSpec) -> None:
