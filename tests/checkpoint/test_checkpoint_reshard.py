@@ -48,7 +48,7 @@ def saved_at_4(tmp_path_factory):
     (2, "full", "hybrid_shard", (2, 1)),  # replicas: only replicate index 0 writes on re-save
     (1, "hybrid", "no_shard", None),
     (3, "zero2", "shard_optim", None),  # ZeRO-2 -> ZeRO-1, uneven
-    (2, "full", "shard_optim_grad", None),  # ZeRO-3 -> ZeRO-2
+    pytest.param(2, "full", "shard_optim_grad", None, marks=pytest.mark.slow),  # ZeRO-3 -> ZeRO-2
 ])
 def test_reshard_on_load(saved_at_4, world_size, src, strategy, mesh):
     root, ref = saved_at_4

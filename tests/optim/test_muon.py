@@ -235,7 +235,7 @@ def _report(ws: int) -> list[dict]:
     return run_distributed(_worker, ws, _CKPT_DIR)
 
 
-WORLD_SIZES = [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)]
+WORLD_SIZES = [pytest.param(1, marks=pytest.mark.slow), 2, 3, pytest.param(4, marks=pytest.mark.slow)]
 CASES = ["gpt", "no_sync_nesterov_off_match_rms", "tied_gpt", "shared_across_units", "frozen_lora",
          "bf16_mixed_precision", "zero2_no_sync", "zero1_tied"]
 
