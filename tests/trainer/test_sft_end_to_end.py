@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from hf_dirs import make_model_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
