@@ -48,21 +48,13 @@ def _initial(**cfg) -> GPT:
     return GPT(tiny_gpt_config(**cfg))
 
 
-def _sgd(strategy, **cfg):
+def _sgd(strategy, freeze=False, **cfg):
+    """Plain training (``freeze``: a whole block and the position embedding frozen before shard())."""
     def run(rank, ws):
         initial = _initial(**cfg)
-        metrics, _, _ = parity_check(initial, simple_step(gpt_loss), make_batches(STEPS, VOCAB),
-                                     rank, ws, shard_kwargs={"units": {Block}, "strategy": strategy})
-        return metrics
-    return run
-
-
-def _frozen(strategy):
-    def run(rank, ws):
-        initial = _initial()
-        for p in initial.blocks[1].parameters():
-            p.requires_grad_(False)
-        initial.wpe.weight.requires_grad_(False)
+        if freeze:
+            for p in [*initial.blocks[1].parameters(), initial.wpe.weight]:
+                p.requires_grad_(False)
         metrics, _, _ = parity_check(initial, simple_step(gpt_loss), make_batches(STEPS, VOCAB),
                                      rank, ws, shard_kwargs={"units": {Block}, "strategy": strategy})
         return metrics
@@ -163,7 +155,7 @@ def _worker(rank, ws, root):
     for s in STRATEGIES:
         scenarios[f"{s}/sgd"] = _sgd(s)
         scenarios[f"{s}/tied"] = _sgd(s, tie_weights=True)
-        scenarios[f"{s}/frozen"] = _frozen(s)
+        scenarios[f"{s}/frozen"] = _sgd(s, freeze=True)
         scenarios[f"{s}/accumulate"] = _accumulate(s)
         scenarios[f"{s}/refresh"] = _refresh(s, root)
         scenarios[f"{s}/memory"] = _memory(s)
