@@ -90,7 +90,7 @@ def _misshape(sd):
 
 
 def _unknown_strategy():
-    shardwise.shard(_gpt(), units={Block}, strategy="zero3")
+    shardwise.shard(_gpt(), units={Block}, strategy="zero4")
 
 
 CASES = {
@@ -188,8 +188,8 @@ def test_load_full_state_dict_wrong_shape_raises_on_every_rank():
 
 
 def test_unknown_strategy_name_is_rejected_with_the_valid_names():
-    """strategy='zero3' raises, naming it and listing the valid strategies."""
-    raised_on_every_rank("unknown_strategy", "'zero3'", "full_shard", "hybrid_shard_zero2")
+    """strategy='zero4' raises, naming it and listing the valid strategies."""
+    raised_on_every_rank("unknown_strategy", "'zero4'", "full_shard", "hybrid_shard_zero2")
 
 
 def test_fsdp1_upper_case_strategy_names_are_accepted():
@@ -216,8 +216,8 @@ def test_strategy_names_parse_in_either_case(name, expected):
 
 
 def test_unknown_strategy_parse_error_lists_valid_names():
-    """Strategy.parse('zero3') raises ShardwiseError listing every valid name."""
+    """Strategy.parse('zero4') raises ShardwiseError listing every valid name."""
     with pytest.raises(ShardwiseError) as e:
-        Strategy.parse("zero3")
+        Strategy.parse("zero4")
     for s in Strategy:
         assert s.value in str(e.value)

@@ -55,7 +55,7 @@ TRAIN = [
     ("--log-every 0", ["--log-every", "must be >= 1"]),
     ("--peak-tflops inf", ["--peak-tflops", "finite number"]),
     ("--mixed-precision fp8", ["--mixed-precision", "valid: no, bf16, fp16"]),
-    ("--sharding-strategy zero3", ["--sharding-strategy", "valid: full_shard"]),
+    ("--sharding-strategy zero4", ["--sharding-strategy", "valid: full_shard"]),
     ("--backend mpi", ["--backend", "valid: auto, gloo, nccl"]),
     ("--backend nccl", ["--backend nccl", "--backend gloo"]),
     ("--auto-wrap size_based_wrap", ["--auto-wrap", "valid: transformer_based_wrap, no_wrap"]),

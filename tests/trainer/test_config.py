@@ -49,7 +49,7 @@ def test_unknown_key_in_toml_rejected(tmp_path):
 
 @pytest.mark.parametrize("argv, fragment", [
     (["--mixed-precision", "fp8"], "valid: no, bf16, fp16"),
-    (["--sharding-strategy", "zero3"], "valid: full_shard, shard_grad_op, no_shard"),
+    (["--sharding-strategy", "zero4"], "valid: full_shard, shard_grad_op, shard_optim_grad, shard_optim, no_shard"),
     (["--auto-wrap", "size_based_wrap"], "valid: transformer_based_wrap, no_wrap"),
     (["--steps", "ten"], "expected an integer"),
     (["--steps", "0"], "must be >= 1"),
