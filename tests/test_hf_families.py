@@ -301,7 +301,8 @@ def _lora_scenario(rank, ws):
                 frozen_groups=sum(1 for rg, _ in groups if not rg), trainable_groups=sum(1 for rg, _ in groups if rg))
 
 
-def _hf_checkpointing_scenario(use_reentrant: bool, enable_after_shard: bool = False, build=None):
+def _hf_checkpointing_scenario(use_reentrant: bool, enable_after_shard: bool = False, build=None,
+                               strategy: str = "full_shard"):
     """HF's gradient_checkpointing_enable before shard() (HF Trainer's order) or after it. Counts the calls of
     layer 0's MLP per step: 2 when the layer is recomputed in backward."""
     build = build or (lambda: _causal_lm(_llama_config()))
@@ -326,15 +327,16 @@ def _hf_checkpointing_scenario(use_reentrant: bool, enable_after_shard: bool = F
         if not enable_after_shard:
             initial.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         metrics, _, _ = parity_check(initial, step, make_batches(STEPS, VOCAB), rank, ws,
-                                     shard_kwargs=dict(units="auto"))
+                                     shard_kwargs=dict(units="auto", strategy=strategy))
         return dict(metrics=metrics, calls=calls)
 
     return run
 
 
-def _bert_writeback_scenario(rank, ws):
+def _bert_writeback_scenario(rank, ws, strategy="full_shard"):
     """summon_full_params(writeback=True) before training: an edit of the word embeddings (tied to the MLM
-    decoder) made under it persists in the shards, on both names of the tied weight."""
+    decoder) made under it persists in the shards, on both names of the tied weight (and, under ZeRO-2, in
+    the full parameters it keeps)."""
 
     def step(model, batch, i, take):
         if i == 0:
@@ -345,7 +347,8 @@ def _bert_writeback_scenario(rank, ws):
                 w[: VOCAB // 2].mul_(-2.0)
         return _hf_step(model, batch, i, take)
 
-    metrics, model, _ = parity_check(_bert(), step, _mlm_batches(), rank, ws, shard_kwargs=dict(units="auto"))
+    metrics, model, _ = parity_check(_bert(), step, _mlm_batches(), rank, ws,
+                                     shard_kwargs=dict(units="auto", strategy=strategy))
     return dict(metrics=metrics)
 
 
@@ -519,6 +522,7 @@ def _hf_ws2_scenarios() -> dict:
         "vit": _parity_scenario(_vit, step=_vision_step, batches=_vision_batches()),
         "hf_checkpointing_reentrant": _hf_checkpointing_scenario(True),
         "hf_checkpointing_non_reentrant": _hf_checkpointing_scenario(False),
+        "hf_checkpointing_reentrant_zero2": _hf_checkpointing_scenario(True, strategy="shard_optim_grad"),
         "meta_llama_default": _meta_llama_scenario("default"),
         "meta_llama_hf_init_weights": _meta_llama_scenario("hf_init_weights"),
         "t5_encoder_summon": _t5_encoder_scenario("summon"),
@@ -549,6 +553,7 @@ def _hf_slow_worker(rank, ws):
         "hf_checkpointing_reentrant_after_shard": _hf_checkpointing_scenario(True, enable_after_shard=True),
         "hf_checkpointing_non_reentrant_after_shard": _hf_checkpointing_scenario(False, enable_after_shard=True),
         "mixtral_hf_checkpointing": _hf_checkpointing_scenario(True, build=_mixtral),
+        "bert_summon_writeback_zero2": lambda r, w: _bert_writeback_scenario(r, w, "shard_optim_grad"),
         "mixtral_adamw": _parity_scenario(_mixtral, optimizer="adamw", batches=_moe_batches(ws)),
         "bert_adamw": _parity_scenario(_bert, optimizer="adamw", batches=_mlm_batches()),
     }, rank, ws)
@@ -945,7 +950,8 @@ def test_peft_lora_trains_adapters_and_leaves_base_frozen():
     assert r["frozen_groups"] >= 3 and r["trainable_groups"] == 2, r
 
 
-@pytest.mark.parametrize("name", ["hf_checkpointing_reentrant", "hf_checkpointing_non_reentrant"])
+@pytest.mark.parametrize("name", ["hf_checkpointing_reentrant", "hf_checkpointing_non_reentrant",
+                                  "hf_checkpointing_reentrant_zero2"])
 def test_hf_gradient_checkpointing_enable_trains_in_parity(name):
     """model.gradient_checkpointing_enable(use_reentrant=True/False) before shard() (HF Trainer's order):
     the decoder layers are recomputed in backward (their MLP runs twice per step) and training is exact."""
@@ -1059,7 +1065,8 @@ def test_hf_gradient_checkpointing_enabled_after_shard(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral_hf_checkpointing", "mixtral_adamw", "bert_adamw"])
+@pytest.mark.parametrize("name", ["mixtral_hf_checkpointing", "mixtral_adamw", "bert_adamw",
+                                  "bert_summon_writeback_zero2"])
 def test_heavier_variants(name):
     assert_parity(scenario(hf_report_slow(), name)["metrics"], label=name)
 
