@@ -83,7 +83,7 @@ def _assert_names_both_sides(error: str, ahead: int, behind: int) -> None:
 
 
 @pytest.mark.parametrize("scenario", ["extra_forward", "skipped_backward"])
-@pytest.mark.parametrize("variant", ["fp32", "bf16", "native"])
+@pytest.mark.parametrize("variant", ["fp32", pytest.param("bf16", marks=pytest.mark.slow), "native"])
 def test_a_rank_that_runs_ahead_makes_every_rank_fail_naming_unit_and_ranks(scenario, variant):
     """One rank runs an extra forward (or skips a backward): both ranks raise, naming units and ranks,
     whether the fingerprint rides in band (fp32, bf16) or out of band (gloo's native collectives)."""

@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from ckpt_workers import assert_same_contents, contents
 
 REPO = Path(__file__).resolve().parents[2]
@@ -119,13 +121,14 @@ class Killer(threading.Thread):
             self.log.append(f"{kind}: killed pid {victim}{' during a save' if during_save else ''}")
 
 
-def test_kill_9_at_random_points_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize("plan", [["random", "save"], pytest.param(["random", "save", "random", "save"],
+                                                                    marks=pytest.mark.slow)], ids=["2-kills", "4-kills"])
+def test_kill_9_at_random_points_resumes_bitwise(tmp_path, plan):
     reference = tmp_path / "reference"
     subprocess.run(_train_cmd(reference, 0), cwd=REPO, env=_env(), check=True, timeout=400,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     crashed = tmp_path / "crashed"
-    plan = ["random", "save", "random", "save"]
     agent = subprocess.Popen(_train_cmd(crashed, len(plan) + 1), cwd=REPO, env=_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killer = Killer(agent, crashed, plan, seed=int(os.environ.get("SHARDWISE_CRASH_SEED", "0")))

@@ -13,7 +13,9 @@ One spawn per world size runs every scenario (``run_scenarios``); each test read
 
 from __future__ import annotations
 
+import atexit
 import copy
+import shutil
 import tempfile
 
 import pytest
@@ -35,6 +37,7 @@ STEPS = 3
 FP32_NS = dict(ns_dtype=torch.float32, lr=0.02, adamw_lr=1e-2, weight_decay=0.1, adamw_weight_decay=0.05,
                adamw_eps=1e-3)
 _CKPT_DIR = tempfile.mkdtemp(prefix="muon-ckpt-")  # made once in the test process, handed to the workers
+atexit.register(shutil.rmtree, _CKPT_DIR, ignore_errors=True)
 
 
 def _muon_names(opt) -> set[str]:
