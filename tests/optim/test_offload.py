@@ -261,8 +261,8 @@ def test_each_unit_steps_before_the_backward_of_the_units_before_it_ends():
 
 def test_each_shard_is_copied_to_the_device_before_its_unshard_and_waited_by_it():
     r = _book()
+    issued = set()  # copies issued and not yet waited; those step() issues are waited in the next step
     for s, step in enumerate(r["steps"]):
-        issued = set()
         for what, group in step["trace"]:
             if what == "h2d":
                 issued.add(group)
