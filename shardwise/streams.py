@@ -91,7 +91,8 @@ class CudaCopyStreams:
         return torch.cuda.Stream(self.device)
 
     def new_event(self) -> "torch.cuda.Event":
-        return torch.cuda.Event()
+        # blocking: a host thread waiting on it sleeps instead of spinning on a core the CPU optimizer needs
+        return torch.cuda.Event(blocking=True)
 
     def current_stream(self) -> "torch.cuda.Stream":
         return torch.cuda.current_stream(self.device)
