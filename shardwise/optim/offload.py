@@ -135,14 +135,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         inner.step()
         self._transfers.note("step", group)
 
-    # ---- the step --------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
+        """Step the groups not stepped during backward (all of them with ``max_grad_norm``), then issue the
+        copies of the next forward's first shards."""
+        transfers = self._transfers
         loss = None
-        if closure is not None:
+        if closure is not None:  # torch's closure protocol: it runs forward and backward
             with torch.enable_grad():
                 loss = closure()
-        transfers = self._transfers
         transfers.drain()  # (end_backward did: here for a step() without a backward)
         transfers.rotate()  # the step just taken says which shards the next forward needs first
         coef = None

@@ -31,9 +31,10 @@ def _model():
     return GPT(tiny_gpt_config())
 
 
-def _train(rank, ws, model, opt, *, micro=MICRO, clip=None, steps=STEPS, on_step=None):
-    """``steps`` steps of ``micro`` micro-batches (all but the last under no_sync); the loss of each step and
-    a copy of every shard parameter after it."""
+def _train(rank, ws, model, opt, *, micro=MICRO, clip=None, steps=STEPS, on_step=None, synced=False,
+           set_to_none=True):
+    """``steps`` steps of ``micro`` micro-batches (all but the last under no_sync unless ``synced``); the loss
+    of each step and a copy of every shard parameter after it."""
     import shardwise
 
     sharded = hasattr(model, "_shardwise")
@@ -44,7 +45,7 @@ def _train(rank, ws, model, opt, *, micro=MICRO, clip=None, steps=STEPS, on_step
             x, y = batches[s * micro + i]
             if sharded:
                 x, y = local_slice(x, rank, ws), local_slice(y, rank, ws)
-            quiet = shardwise.no_sync(model) if sharded and i < micro - 1 else contextlib.nullcontext()
+            quiet = shardwise.no_sync(model) if sharded and i < micro - 1 and not synced else contextlib.nullcontext()
             with quiet:
                 loss = gpt_loss(model, x, y) / micro
                 loss.backward()
@@ -56,7 +57,7 @@ def _train(rank, ws, model, opt, *, micro=MICRO, clip=None, steps=STEPS, on_step
             else:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=set_to_none)
         if sharded:
             assert_engine_clean(model, f"after step {s}")
         if on_step is not None:
@@ -76,15 +77,23 @@ def _offloaded(strategy, optimizer, clip, worker_thread=None, step_in_backward=T
     return model, opt
 
 
-def _parity(rank, ws, strategy="full_shard", optimizer="adamw", clip=None, micro=MICRO, **offload_kw):
-    """The offloaded run against shardwise without offload (bitwise) and the single-process reference."""
+def _parity(rank, ws, strategy="full_shard", optimizer="adamw", clip=None, micro=MICRO, torch_optimizer=False,
+            **offload_kw):
+    """The offloaded run against shardwise without offload (bitwise) and the single-process reference.
+    ``torch_optimizer``: plain ``CPUOffload()`` with a torch optimizer, every micro-batch's backward synced
+    and ``zero_grad(set_to_none=False)`` (gradients added into ``.grad`` from the second landing on)."""
     import shardwise
 
     cls, kw = OPTIMIZERS[optimizer]
+    how = dict(micro=micro, synced=torch_optimizer, set_to_none=not torch_optimizer)
     plain = shardwise.shard(_model(), units={Block}, strategy=strategy)
-    want_losses, want_params = _train(rank, ws, plain, cls(plain.parameters(), **kw), micro=micro, clip=clip)
-    model, opt = _offloaded(strategy, optimizer, clip, **offload_kw)
-    losses, params = _train(rank, ws, model, opt, micro=micro)
+    want_losses, want_params = _train(rank, ws, plain, cls(plain.parameters(), **kw), clip=clip, **how)
+    if torch_optimizer:
+        model = shardwise.shard(_model(), units={Block}, strategy=strategy, offload=shardwise.CPUOffload())
+        losses, params = _train(rank, ws, model, cls(model.parameters(), **kw), clip=clip, **how)
+    else:
+        model, opt = _offloaded(strategy, optimizer, clip, **offload_kw)
+        losses, params = _train(rank, ws, model, opt, **how)
     different = [f"step {s} param {i}" for s in range(STEPS) for i, (a, b) in enumerate(zip(params[s], want_params[s]))
                  if not torch.equal(a, b)]
     different += [f"step {s} loss" for s in range(STEPS) if not torch.equal(losses[s], want_losses[s])]
@@ -93,7 +102,7 @@ def _parity(rank, ws, strategy="full_shard", optimizer="adamw", clip=None, micro
     # SGD with momentum is the sharp test against the reference (AdamW amplifies the rounding of tiny
     # gradients: its parity is the plain run's, which equals this one bit for bit).
     ref = _model()
-    _train(rank, ws, ref, cls(ref.parameters(), **kw), micro=micro, clip=clip)
+    _train(rank, ws, ref, cls(ref.parameters(), **kw), clip=clip, **how)
     return {"different": different, "reference": worst(sharded_param_errors(model, ref))}
 
 
@@ -176,9 +185,11 @@ PARITY["full_shard_adamw_noclip_worker_thread"] = dict(optimizer="adamw", worker
 PARITY["full_shard_sgd_clip_worker_thread"] = dict(optimizer="sgd", clip=CLIP, worker_thread=True)
 PARITY["full_shard_sgd_noclip_step_in_step"] = dict(optimizer="sgd", step_in_backward=False)
 PARITY["full_shard_sgd_noclip_no_accumulation"] = dict(optimizer="sgd", micro=1)
+PARITY["torch_optimizer_sgd_clip_synced_accumulation"] = dict(optimizer="sgd", clip=CLIP, torch_optimizer=True)
 DEFAULT_WS2 = ["full_shard_sgd_noclip", "full_shard_sgd_clip", "full_shard_adamw_noclip", "full_shard_adamw_clip",
                "shard_grad_op_sgd_clip", "shard_grad_op_adamw_noclip", "full_shard_adamw_noclip_worker_thread",
-               "full_shard_sgd_noclip_step_in_step", "full_shard_sgd_noclip_no_accumulation"]
+               "full_shard_sgd_noclip_step_in_step", "full_shard_sgd_noclip_no_accumulation",
+               "torch_optimizer_sgd_clip_synced_accumulation"]
 DEFAULT_WS3 = ["full_shard_adamw_clip", "shard_grad_op_sgd_noclip"]
 
 
