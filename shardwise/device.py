@@ -59,3 +59,14 @@ def communication_device(group=None) -> torch.device:
     if backend_for(group, torch.device("cpu")):
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def copy_streams(device: torch.device):
+    """Streams and events for host <-> ``device`` copies (streams.py): CUDA's own on a CUDA device, so
+    offload copies overlap compute; synchronous host stand-ins anywhere else."""
+    from shardwise import streams
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return streams.CudaCopyStreams(device)
+    return streams.HostCopyStreams()

@@ -67,6 +67,7 @@ class FlatGroup:
         self.groups = groups
         self.device = device
         self.offload = offload
+        self.transfers = None  # offload_transfers.OffloadTransfers of the model, set by shard() under offload
         self.mixed_precision = mixed_precision
         start, end = plan.shard_range(groups.shard_rank)
         self.shard_start = start
@@ -279,7 +280,9 @@ class FlatGroup:
         storage = self.gathered.untyped_storage()
         storage.resize_((self.plan.padded_numel + self.header_numel) * self.param_dtype.itemsize)
         src = self.shard
-        if src.device != self.device:
+        if self.transfers is not None:
+            src = self.transfers.shard_on_device(self)  # copied ahead on a side stream; waited here
+        elif src.device != self.device:
             src = src.to(self.device, non_blocking=True)
         if src.dtype != self.param_dtype:
             src = src.to(self.param_dtype)
@@ -399,6 +402,7 @@ class PendingReduce:
                  out_offset: int = 0):
         self.group, self.flat, self.work, self.divide_by, self.stamp = group, flat, work, divide_by, stamp
         self.out_buffer, self.out_numel, self.out_offset, self.op = out_buffer, out_numel, out_offset, op
+        self.final = True  # the group gets no other gradient in this backward (runtime.post_backward says)
 
     def finish(self, discard: bool = False) -> None:
         """Complete the reduction (every rank issued it) and hand out the gradient, or drop it (``discard``:
@@ -420,7 +424,10 @@ class PendingReduce:
             g._wait_checked(work, "all_reduce", stamp, self.out_buffer)
         if self.divide_by != 1:
             out.div_(self.divide_by)
-        self.group.accumulate_grad_shard(out)
+        if g.transfers is not None:
+            g.transfers.grad_to_host(g, out, self.final)  # handed out once it has landed on the host
+        else:
+            g.accumulate_grad_shard(out)
         self.out_buffer = None
 
 

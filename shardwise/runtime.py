@@ -352,6 +352,7 @@ class Unit:
         m.begin_backward()
         pending = group.reduce_grads(grads, sync=m.require_grad_sync)
         if pending is not None:
+            pending.final = self.owed_backwards <= 1  # no other forward of this unit still owes a backward
             m.add_pending(pending)
         ticket.remaining -= 1
         if ticket.remaining == 0:
@@ -409,6 +410,7 @@ class ModelRuntime:
         self._on_track = False  # this forward so far matches the recorded order
         self._pending: deque[PendingReduce] = deque()
         self.checker = None  # consistency.CollectiveChecker, set by shard() when the check is on
+        self.transfers = None  # offload_transfers.OffloadTransfers, set by shard() under CPU offload
 
     # ---- forward order and prefetch ---------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -494,6 +496,8 @@ class ModelRuntime:
             # parameters at the next unshard (also caught by an optimizer-step hook, but not every
             # optimizer is a torch.optim.Optimizer, and this verdict is the same on every rank).
             self.shards_written()
+        if self.transfers is not None:
+            self.transfers.end_backward()  # every offloaded gradient on the host and handed out
         if self.checker is not None:
             self.checker.agree()  # before backward returns: no gradient reaches an optimizer unchecked
         for u in self.units:
@@ -525,6 +529,8 @@ class ModelRuntime:
     def recover(self) -> None:
         while self._pending:
             self._pending.popleft().finish(discard=True)
+        if self.transfers is not None:
+            self.transfers.recover()
         for u in self.units:
             u.reset()
         self.phase = Phase.IDLE
@@ -537,6 +543,8 @@ class ModelRuntime:
             problems.append(f"runtime phase is {self.phase.value}, not idle")
         if self._pending:
             problems.append(f"{len(self._pending)} reductions still in flight")
+        if self.transfers is not None:
+            problems += self.transfers.violations()
         for u in self.units:
             if u.frames:
                 problems.append(f"unit {u.label!r} has {len(u.frames)} entries still open")
