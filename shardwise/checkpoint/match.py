@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 
 from shardwise.checkpoint.format import dtype_name
-from shardwise.checkpoint.model_index import optimizer_param_names, persistent_buffers, unique_params
+from shardwise.checkpoint.model_index import (optimizer_class_name, optimizer_param_names, persistent_buffers,
+                                              unique_params)
 from shardwise.checkpoint.schema import short
 from shardwise.checkpoint.values import decode, decode_scalar_tensor
 from shardwise.errors import ShardwiseError
@@ -104,7 +105,7 @@ def _optimizer_problems(manifest: dict, rt, optimizer: torch.optim.Optimizer) ->
     saved = manifest["optimizer"]
     if saved is None:
         return ["an optimizer was passed but the checkpoint holds no optimizer state"]
-    cls = type(optimizer).__name__
+    cls = optimizer_class_name(optimizer)
     if saved["class"] != cls:
         return [f"optimizer state was saved from {saved['class']}, not {cls}"]
     groups = saved["param_groups"]

@@ -22,6 +22,17 @@ def unique_params(rt) -> Iterator[tuple[ParamSpec, FlatGroup, int]]:
                 yield spec, group, i
 
 
+def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer class a checkpoint records and checks: the algorithm whose state it holds. An
+    ``offload_optimizer`` holds exactly its inner class's state (one instance per flat group, one shared
+    ``state``), so its checkpoints and a plain optimizer's of that class are interchangeable."""
+    from shardwise.optim.offload import OffloadOptimizer
+
+    if isinstance(optimizer, OffloadOptimizer):
+        return optimizer.optimizer_cls.__name__
+    return type(optimizer).__name__
+
+
 def optimizer_param_names(rt, optimizer: torch.optim.Optimizer) -> dict[int, str]:
     """id(shard parameter) -> fqn, for every parameter the optimizer holds (all must be the model's)."""
     by_id = {id(group.shard_params[i]): spec.fqn for spec, group, i in unique_params(rt)}

@@ -41,7 +41,8 @@ from shardwise.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_N
                                          dtype_name, fsync_dir, rank_file_name, write_json_durably,
                                          write_safetensors)
 from shardwise.checkpoint.model_description import describe
-from shardwise.checkpoint.model_index import optimizer_param_names, persistent_buffers, unique_params
+from shardwise.checkpoint.model_index import (optimizer_class_name, optimizer_param_names, persistent_buffers,
+                                              unique_params)
 from shardwise.checkpoint.values import encode, encode_scalar_tensor
 from shardwise.errors import ShardwiseError
 
@@ -158,7 +159,7 @@ def _build_payload(model, rt, optimizer, extra, file_name: str) -> tuple[dict[st
                 index["optim_state"][spec.fqn] = info
             index["params"][spec.fqn] = entry
     if optimizer is not None and agree.rank() == 0:
-        index["optimizer"] = {"class": type(optimizer).__name__,
+        index["optimizer"] = {"class": optimizer_class_name(optimizer),
                               "param_groups": _param_groups(optimizer, names)}
     if agree.rank() == 0:
         index["buffers"] = {}

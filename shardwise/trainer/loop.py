@@ -100,7 +100,18 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         return Muon(groups, lr=cfg.lr, adjust_lr_fn="match_rms_adamw", adamw_lr=cfg.lr,
                     adamw_betas=(cfg.adam_beta1, cfg.adam_beta2))
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.cpu_offload and cfg.mixed_precision != "fp16":
+        # Steps each unit on the CPU as its gradients land and clips by the global norm itself (the same bits
+        # as clip_grad_norm_ + AdamW); fp16's loss scaler needs the whole step after backward, so it keeps
+        # the plain optimizer.
+        return shardwise.offload_optimizer(model, torch.optim.AdamW, groups, max_grad_norm=clip_limit(cfg),
+                                           lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
+
+
+def clip_limit(cfg: TrainConfig) -> float:
+    """The global gradient-norm limit; inf (no clipping, the norm is still measured for the log) when off."""
+    return cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
 
 
 @torch.no_grad()
@@ -174,7 +185,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     grad_norm = float("nan")
     lr = 0.0
     accum = cfg.gradient_accumulation_steps
-    clip_to = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
+    clip_to = clip_limit(cfg)
     t_start = time.perf_counter()
     for step in range(start_step + 1, cfg.steps + 1):
         lr = schedule.lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps,
@@ -192,12 +203,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             step_loss += float(loss.detach())
         if scaler is not None:
             scaler.unscale_(optimizer)  # clip true gradients; an overflow makes the norm inf and the step skip
-        grad_norm = float(shardwise.clip_grad_norm_(model, clip_to))
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
+        if isinstance(optimizer, shardwise.OffloadOptimizer):
+            optimizer.step()  # clips inside: the per-unit norms were taken as the gradients landed
+            grad_norm = float(optimizer.last_grad_norm)
         else:
-            optimizer.step()
+            grad_norm = float(shardwise.clip_grad_norm_(model, clip_to))
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         log.add_step(step_loss)
 

@@ -25,18 +25,21 @@ def _records(out):
         return {r["step"]: r for r in map(json.loads, f)}
 
 
-@pytest.mark.parametrize("mixed_precision,optimizer", [("no", "adamw"), ("fp16", "adamw"),
-                                                       pytest.param("no", "muon", marks=pytest.mark.slow)])
-def test_resume_continues_bit_for_bit(tmp_path, mixed_precision, optimizer):
+@pytest.mark.parametrize("mixed_precision,optimizer,offload", [
+    ("no", "adamw", True), ("fp16", "adamw", False), pytest.param("no", "muon", False, marks=pytest.mark.slow)])
+def test_resume_continues_bit_for_bit(tmp_path, mixed_precision, optimizer, offload):
     """fp16 also restores the loss scale: a resumed run that restarted from the initial scale would skip
-    or scale differently and drift. Muon's momentum and its AdamW moments come back the same way."""
+    or scale differently and drift. Muon's momentum and its AdamW moments come back the same way.
+    ``offload``: the resumed run has ``--cpu-offload`` (shardwise.offload_optimizer: per-unit CPU steps,
+    clipping inside its step) and still continues bit for bit from the plain run's checkpoint, its own
+    step-6 checkpoint holding what the plain run's holds."""
     base = TrainConfig(model="gpt-tiny", steps=6, batch_size=2, seq_len=32, gradient_accumulation_steps=2,
                        eval_every=3, eval_batches=1, log_every=1, save_every=3, warmup_steps=2, progress=False,
                        mixed_precision=mixed_precision, optimizer=optimizer)
     unbroken = dataclasses.replace(base, out=str(tmp_path / "unbroken"))
     run_distributed(_train_worker, 2, dataclasses.asdict(unbroken))
     # "Crash" after step 3: a new run, in a new directory, resumed from the step-3 checkpoint.
-    resumed = dataclasses.replace(base, out=str(tmp_path / "resumed"),
+    resumed = dataclasses.replace(base, out=str(tmp_path / "resumed"), cpu_offload=offload,
                                   resume=str(tmp_path / "unbroken" / "step-00000003"))
     results = run_distributed(_train_worker, 2, dataclasses.asdict(resumed))
     assert results[0]["start_step"] == 3
@@ -47,6 +50,10 @@ def test_resume_continues_bit_for_bit(tmp_path, mixed_precision, optimizer):
             assert a[step][key] == b[step][key], (step, key)  # exact: same data, same RNG, same state
     assert a[6]["val_loss"] == b[6]["val_loss"]
     assert a[6]["val_loss"] < a[0]["val_loss"], "the run did not train"
+    if offload:
+        saved = [tmp_path / run / "step-00000006" for run in ("unbroken", "resumed")]
+        for name in sorted(n.name for n in saved[0].iterdir() if n.suffix == ".safetensors"):
+            assert (saved[0] / name).read_bytes() == (saved[1] / name).read_bytes(), name
     if mixed_precision == "fp16":
         # Scale and growth tracker carry on from the checkpoint (a fresh scaler would count from 0 again).
         scalers = [[e["value"]["grad_scaler"] for e in json.loads((tmp_path / run / "step-00000006" / "manifest.json")
