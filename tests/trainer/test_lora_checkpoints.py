@@ -175,3 +175,55 @@ def test_adapter_only_checkpoint_saved_at_ws2_reshards_to_ws3(runs):
     assert json.loads((root / "resaved-ws3" / "manifest.json").read_text())["world_size"] == 3
     assert sorted(saved) == sorted(resaved) and any(k.startswith("exp_avg:") for k in saved)
     assert all(torch.equal(saved[k], resaved[k]) for k in saved)
+
+
+def test_export_writes_the_peft_adapter_and_the_merged_model(runs, tmp_path):
+    """The adapter directory equals what the trained model's save_adapter wrote and loads with peft onto the base
+    from DIR; --merge gives what peft's merge_and_unload gives, bit for bit, and the logits of the adapted model.
+    The base directory is stored in bf16 and the masters are fp32: the merged config says float32 (from_pretrained's
+    default dtype "auto" loads fp32), and --dtype bf16 gives a bf16 model that loads as bf16."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.checkpoint.export import export_checkpoint, export_main
+
+    root, model_dir, _, _ = runs
+    run = root / "unbroken-fp32"
+    assert export_main([str(run), str(tmp_path / "adapter")]) == 0
+    exported = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    trained = load_file(str(run / "adapter" / "adapter_model.safetensors"))  # the live model's, by save_adapter
+    assert sorted(exported) == sorted(trained) and all(torch.equal(exported[k], trained[k]) for k in trained)
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    x = torch.randint(0, base.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        adapted = peft_model(input_ids=x).logits
+    reference = peft_model.merge_and_unload().state_dict()
+
+    assert export_main([str(run), str(tmp_path / "merged"), "--merge"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")  # dtype "auto": what the config says
+    assert merged.dtype == torch.float32
+    assert all(torch.equal(v, merged.state_dict()[k]) for k, v in reference.items())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=x).logits, adapted, rtol=1e-5, atol=1e-5)
+
+    export_checkpoint(run, tmp_path / "merged-bf16", merge=True, dtype=torch.bfloat16)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "merged-bf16").dtype == torch.bfloat16
+
+
+def test_export_misuse_is_one_line(runs, tmp_path, capsys):
+    from shardwise.checkpoint.export import export_main
+
+    root, model_dir, _, _ = runs
+    run = root / "unbroken-fp32"
+    moved = tmp_path / "llama-other"
+    shutil.copytree(root / "llama-other", moved)
+    cases = {("--merge", "--base", str(moved)): "are not the base",
+             ("--base", str(moved)): "--base: the base directory is read by --merge only"}
+    for args, message in cases.items():
+        assert export_main([str(run), str(tmp_path / "out"), *args]) == 1
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
