@@ -1,11 +1,11 @@
 """`shardwise train --model DIR --lora-r`: checkpoints hold only the adapters, their optimizer state and the
 trainer state, plus the identity of the base in DIR. A resume reads the base from DIR again and continues bit for
-bit (fp32 base and bf16 base, 2 ranks); a resume over other weights, or without DIR's weights, fails before
+bit (fp32 base; bf16 base under slow; 2 ranks); a resume over other weights, or without DIR's weights, fails before
 training on every rank naming --model; a ws2 checkpoint resumes at ws3 with the adapters and optimizer resharded
-exactly. ``shardwise export`` of the run writes the peft adapter directory and, with --merge, the merged model,
+exactly (slow). ``shardwise export`` of the run writes the peft adapter directory and, with --merge, the merged model,
 whose config states the dtype written.
 
-One 2-rank spawn runs every training case (``_runs``); the exports are single-process, in the test process."""
+One 2-rank spawn runs the default training cases (``_runs``); the exports are single-process, in the test process."""
 
 from __future__ import annotations
 
@@ -50,14 +50,14 @@ def _error_of(fn) -> str:
     return "no error"
 
 
-def _runs(rank, world, root, model_dir, other_dir):
+def _runs(rank, world, root, model_dir, other_dir, base_dtypes, refusals):
     import torch.distributed as dist
 
     from shardwise.trainer.loop import train
 
     root = pathlib.Path(root)
     starts, errors = {}, {}
-    for base_dtype in ("fp32", "bf16"):
+    for base_dtype in base_dtypes:
         cfg = _config(root, model_dir, base_dtype)
         train(dataclasses.replace(cfg, out=str(root / f"unbroken-{base_dtype}")))
         if rank == 0:
@@ -65,6 +65,8 @@ def _runs(rank, world, root, model_dir, other_dir):
         dist.barrier()
         summary = train(dataclasses.replace(cfg, out=str(root / f"resumed-{base_dtype}"), resume="latest"))
         starts[base_dtype] = summary["start_step"]
+    if not refusals:
+        return starts, errors
     cfg = dataclasses.replace(_config(root, model_dir, "fp32"), resume="latest")
     for case, changes in {"other base": {"model": other_dir},
                           "no weights": {"model": os.path.join(model_dir, "config.json")},
@@ -125,13 +127,27 @@ def _metrics(run):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-ckpt")
     model_dir = hf_dirs.make_model_dir(str(root / "llama"), "llama", dtype=torch.bfloat16)
     other_dir = hf_dirs.make_model_dir(str(root / "llama-other"), "llama", seed=1, dtype=torch.bfloat16)
     (root / "text.txt").write_text(" ".join(hf_dirs.CORPUS) * 4)
-    starts, errors = run_distributed(_runs, 2, str(root), model_dir, other_dir)[0]
+    return root, model_dir, other_dir
+
+
+@pytest.fixture(scope="module")
+def runs(model_dirs):
+    """fp32 base: unbroken, resumed, and the refused resumes (one 2-rank spawn)."""
+    root, model_dir, other_dir = model_dirs
+    starts, errors = run_distributed(_runs, 2, str(root), model_dir, other_dir, ["fp32"], True)[0]
     return root, model_dir, starts, errors
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(model_dirs):
+    root, model_dir, other_dir = model_dirs
+    starts, _ = run_distributed(_runs, 2, str(root), model_dir, other_dir, ["bf16"], False)[0]
+    return root, starts
 
 
 def test_checkpoints_hold_only_the_adapters_and_the_base_identity(runs):
@@ -143,14 +159,9 @@ def test_checkpoints_hold_only_the_adapters_and_the_base_identity(runs):
     assert set(manifest["optimizer"]["state"]) == set(manifest["params"])
     assert manifest["frozen_base"] == {"source": os.path.abspath(model_dir), "weights_sha256": weights_identity(model_dir),
                                        "dtype": "float32"}
-    bf16 = json.loads((root / "unbroken-bf16" / "step-00000004" / "manifest.json").read_text())
-    assert bf16["frozen_base"]["dtype"] == "bfloat16"
 
 
-@pytest.mark.parametrize("base_dtype", ["fp32", "bf16"])
-def test_resume_reads_the_base_again_and_continues_bitwise(runs, base_dtype):
-    root, _, starts, _ = runs
-    assert starts[base_dtype] == 2
+def _assert_continues_bitwise(root, base_dtype):
     a, b = _metrics(root / f"unbroken-{base_dtype}"), _metrics(root / f"resumed-{base_dtype}")
     for step in (3, 4):
         assert (a[step]["loss"], a[step]["grad_norm"]) == (b[step]["loss"], b[step]["grad_norm"]), step
@@ -158,6 +169,21 @@ def test_resume_reads_the_base_again_and_continues_bitwise(runs, base_dtype):
     resumed = _checkpoint_tensors(root / f"resumed-{base_dtype}" / "step-00000004")
     assert sorted(unbroken) == sorted(resumed) and any("optim/" in k for k in unbroken)
     assert all(torch.equal(unbroken[k], resumed[k]) for k in unbroken)
+
+
+def test_resume_reads_the_base_again_and_continues_bitwise(runs):
+    root, _, starts, _ = runs
+    assert starts["fp32"] == 2
+    _assert_continues_bitwise(root, "fp32")
+
+
+@pytest.mark.slow  # two more trainer runs of 2 ranks
+def test_resume_with_a_bf16_base_continues_bitwise(bf16_runs):
+    root, starts = bf16_runs
+    assert starts["bf16"] == 2
+    _assert_continues_bitwise(root, "bf16")
+    manifest = json.loads((root / "unbroken-bf16" / "step-00000004" / "manifest.json").read_text())
+    assert manifest["frozen_base"]["dtype"] == "bfloat16"
 
 
 def test_resume_over_other_weights_or_without_them_is_refused_naming_the_option(runs):
@@ -168,6 +194,7 @@ def test_resume_over_other_weights_or_without_them_is_refused_naming_the_option(
     assert all("\n" not in e for e in errors.values())
 
 
+@pytest.mark.slow  # a 3-rank spawn
 def test_adapter_only_checkpoint_saved_at_ws2_reshards_to_ws3(runs):
     root, model_dir, _, _ = runs
     run_distributed(_reshard, 3, str(root), model_dir)
