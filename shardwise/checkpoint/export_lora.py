@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ def _peft_on_meta(manifest: dict) -> nn.Module:
     return model
 
 
-def _read_param(manifest: dict, files: dict[str, SafetensorsFile], names: list[str]) -> Optional[torch.Tensor]:
+def _read_param(manifest: dict, files: dict[str, SafetensorsFile], names: list[str]) -> torch.Tensor | None:
     """A parameter (any of its tied ``names``) assembled from the checkpoint's verified pieces; None if the
     checkpoint does not store it."""
     from shardwise.checkpoint.export import _assemble
@@ -79,8 +79,8 @@ def write_adapter(manifest: dict, files: dict[str, SafetensorsFile], tmp: Path) 
 
 
 @contextlib.contextmanager
-def merged_source(ckpt: Path, manifest: dict, files: dict[str, SafetensorsFile], base: Optional[os.PathLike],
-                  dtype: Optional[torch.dtype]) -> Iterator[tuple[Layout, Callable[[str], torch.Tensor]]]:
+def merged_source(ckpt: Path, manifest: dict, files: dict[str, SafetensorsFile], base: os.PathLike | None,
+                  dtype: torch.dtype | None) -> Iterator[tuple[Layout, Callable[[str], torch.Tensor]]]:
     """(layout, produce) of the merged model under the base model's own names, in fp32 unless ``dtype``
     says otherwise. Keeps the base directory open while the caller writes."""
     from shardwise.lora import ADAPTER_NAME, lora_layers, merge_delta, pretrained_name
@@ -101,7 +101,7 @@ def merged_source(ckpt: Path, manifest: dict, files: dict[str, SafetensorsFile],
         if record is None:  # the checkpoint stores its base
             base_dtype = None
 
-            def read_base(t) -> Optional[torch.Tensor]:
+            def read_base(t) -> torch.Tensor | None:
                 if t.is_buffer:
                     entry = manifest["buffers"].get(t.names[0])
                     return None if entry is None else files[entry["file"]].read(entry["key"])
@@ -111,7 +111,7 @@ def merged_source(ckpt: Path, manifest: dict, files: dict[str, SafetensorsFile],
             match(model, targets, weights, pretrained_name)
             base_dtype = dtype_from_name(record["dtype"], "frozen_base.dtype") if record["dtype"] else None
 
-            def read_base(t) -> Optional[torch.Tensor]:
+            def read_base(t) -> torch.Tensor | None:
                 return None if t.key is None else weights.read(t.key).reshape(t.shape)
 
         by_name: dict[str, object] = {}
@@ -142,7 +142,7 @@ def merged_source(ckpt: Path, manifest: dict, files: dict[str, SafetensorsFile],
         yield layout, produce
 
 
-def _checked_base_dir(ckpt: Path, record: dict, base: Optional[os.PathLike]) -> Path:
+def _checked_base_dir(ckpt: Path, record: dict, base: os.PathLike | None) -> Path:
     """The base directory of an adapter-only checkpoint, its weights' identity checked against the record."""
     from shardwise.pretrained_files import weights_identity
 

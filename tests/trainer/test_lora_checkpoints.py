@@ -74,7 +74,8 @@ def _runs(rank, world, root, model_dir, other_dir, base_dtypes, refusals):
         if rank == 0:
             _resume_dir(str(root / "unbroken-fp32"), str(root / "refused"))
         dist.barrier()
-        errors[case] = _error_of(lambda: train(dataclasses.replace(cfg, out=str(root / "refused"), **changes)))
+        errors[case] = _error_of(lambda changes=changes: train(dataclasses.replace(cfg, out=str(root / "refused"),
+                                                                                   **changes)))
     return starts, errors
 
 
@@ -243,7 +244,7 @@ def test_export_writes_the_peft_adapter_and_the_merged_model(runs, tmp_path):
 def test_export_misuse_is_one_line(runs, tmp_path, capsys):
     from shardwise.checkpoint.export import export_main
 
-    root, model_dir, _, _ = runs
+    root, _, _, _ = runs
     run = root / "unbroken-fp32"
     moved = tmp_path / "llama-other"
     shutil.copytree(root / "llama-other", moved)
