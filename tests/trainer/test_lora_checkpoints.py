@@ -255,3 +255,18 @@ def test_export_misuse_is_one_line(runs, tmp_path, capsys):
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_generate_from_the_run_uses_the_base_and_the_adapters(runs, tmp_path):
+    """`shardwise generate RUN` rebuilds the base from --model DIR under the adapter-only checkpoint: greedy text
+    equal to the merged export's."""
+    from shardwise.checkpoint.export import export_checkpoint
+    from shardwise.trainer import config as config_mod
+    from shardwise.trainer.generate import generate_text
+
+    root, model_dir, _, _ = runs
+    run = root / "unbroken-fp32"
+    config_mod.save(dataclasses.replace(_config(root, model_dir, "fp32"), out=str(run)), str(run))
+    export_checkpoint(run, tmp_path / "merged", merge=True)
+    from_run = generate_text(str(run), "The quick", max_new_tokens=6, temperature=0)
+    assert from_run == generate_text(str(tmp_path / "merged"), "The quick", max_new_tokens=6, temperature=0)
