@@ -161,11 +161,10 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         prefix = names[id(layer)]
         weight_key = f"{prefix}.base_layer.weight"
         for name in layer.lora_A:
-            a = full.pop(f"{prefix}.lora_A.{name}.weight").float()
-            b = full.pop(f"{prefix}.lora_B.{name}.weight").float()
+            a = full.pop(f"{prefix}.lora_A.{name}.weight")
+            b = full.pop(f"{prefix}.lora_B.{name}.weight")
             w = full[weight_key]
-            delta = (b @ a) * layer.scaling[name]
-            full[weight_key] = (w.float() + (delta.T if getattr(layer, "fan_in_fan_out", False) else delta)).to(w.dtype)
+            full[weight_key] = merge_delta(w, a, b, layer, name).to(w.dtype)
     base_prefix = "base_model.model."
     out = {}
     for k, v in full.items():
@@ -201,6 +200,44 @@ def _check_peft(model: nn.Module) -> None:
     if not is_peft_model(model):
         raise ShardwiseError(f"{type(model).__name__} is not a peft model: wrap it with shardwise.lora.apply_lora "
                              f"(or peft.get_peft_model) before shardwise.shard")
+
+
+def peft_config_dict(model: nn.Module) -> dict:
+    """The LoRA config of a peft model as plain JSON (sets as sorted lists), for a checkpoint's manifest."""
+    import json
+
+    _check_peft(model)
+    config = model.peft_config[ADAPTER_NAME].to_dict()
+    return json.loads(json.dumps(config, default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o)))
+
+
+def peft_model_from_dict(model: nn.Module, config: dict) -> nn.Module:
+    """``get_peft_model(model, LoraConfig(**config))`` for a ``peft_config_dict`` (keys this peft does not know
+    are dropped: a config written by another peft version). Works on a meta model."""
+    import dataclasses
+
+    from peft import LoraConfig, get_peft_model
+
+    known = {f.name for f in dataclasses.fields(LoraConfig)}
+    try:
+        lora_config = LoraConfig(**{k: v for k, v in config.items() if k in known})
+        return get_peft_model(model, lora_config)
+    except (TypeError, ValueError) as e:
+        raise ShardwiseError(f"peft_config: not a LoRA config this peft accepts: {str(e).splitlines()[0][:200]}") from None
+
+
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """name -> peft LoRA layer (the wrapped module: its ``base_layer``, ``lora_A``/``lora_B`` and ``scaling``)."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def merge_delta(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layer: nn.Module, adapter: str) -> torch.Tensor:
+    """``W + scaling * B @ A`` in fp32, as peft's ``merge_and_unload`` computes it (transposed for
+    ``fan_in_fan_out`` layers); the caller chooses the dtype to store it in."""
+    delta = (b.float() @ a.float()) * layer.scaling[adapter]
+    return weight.float() + (delta.T if getattr(layer, "fan_in_fan_out", False) else delta)
 
 
 def pretrained_name(name: str) -> "str | None":

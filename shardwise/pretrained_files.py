@@ -173,3 +173,24 @@ def copy_model_files(src: os.PathLike | str, dst: os.PathLike | str) -> list[str
             shutil.copyfileobj(f_in, f_out)
         copied.append(name)
     return copied
+
+
+def weights_identity(directory: os.PathLike | str) -> str:
+    """A cheap SHA-256 identity of a model directory's weights, without reading the multi-GB payload: for
+    every weight file (sorted by name) its name, size and whole safetensors header, plus three 64 KiB
+    samples of its data section (``SafetensorsFile.update_fingerprint``).
+
+    Why that is enough for an adapter-only checkpoint to recognise its base: the header fixes every
+    tensor's name, dtype, shape and place, so another architecture, config, dtype or save layout differs
+    there; and two checkpoints of one architecture (a base and its fine-tune, two training runs) differ in
+    nearly every weight, so in the sampled bytes too. What it does not catch: an edit confined to bytes
+    outside the samples (one tensor changed in place, in the middle of a file), or a file rewritten with
+    the same bytes under the samples. A full SHA-256 would, at the cost of reading every byte."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with PretrainedWeights(directory) as weights:
+        for f in sorted(weights.files, key=lambda f: f.path.name):
+            digest.update(f.path.name.encode() + b"\0")
+            f.update_fingerprint(digest)
+    return digest.hexdigest()

@@ -25,7 +25,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -44,7 +44,8 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _EXPORT_OUTPUT = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|config\.json"
-                            r"|shardwise_model\.json|" + "|".join(re.escape(n) for n in TOKENIZER_FILES) + ")$")
+                            r"|shardwise_model\.json|adapter_model\.safetensors|adapter_config\.json|"
+                            + "|".join(re.escape(n) for n in TOKENIZER_FILES) + ")$")
 
 
 def resolve_checkpoint(src: PathLike) -> Path:
@@ -94,56 +95,93 @@ def export_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     dtype: Optional[torch.dtype] = None,
     verify_checksums: bool = True,
+    merge: bool = False,
+    base: Optional[PathLike] = None,
 ) -> list[Path]:
     """Write the full model of checkpoint (or run directory) ``src`` into directory ``out``.
 
     Tensors keep their saved names (tied parameters appear once, under their first name, as Hugging Face
-    writes them); ``dtype`` casts floating-point tensors. Returns the safetensors files written. Raises
-    ShardwiseError, naming the file at fault, with ``out`` left as it was, for a damaged checkpoint, one
-    whose tensors disagree with its model description, or an ``out`` it cannot or should not replace.
+    writes them); ``dtype`` casts floating-point tensors, and the written ``config.json`` states the dtype
+    of the tensors written (so ``from_pretrained(out)``'s default ``dtype="auto"`` loads what was written).
+    Returns the safetensors files written. Raises ShardwiseError, naming the file at fault, with ``out``
+    left as it was, for a damaged checkpoint, one whose tensors disagree with its model description, or an
+    ``out`` it cannot or should not replace.
+
+    A LoRA run's checkpoint (``export_lora.py``) exports as a peft adapter directory, or with ``merge`` as
+    the full model with the adapters merged into the base, read from the checkpoint or, for an adapter-only
+    checkpoint, from its base directory (``base`` overrides the recorded one, e.g. after a move).
     """
+    from shardwise.checkpoint import export_lora
+
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ShardwiseError(f"max_shard_bytes={max_shard_bytes!r}: must be a positive number of bytes")
     ckpt = resolve_checkpoint(src)
     out = check_output(out, ckpt)
     manifest = read_manifest(ckpt)
+    is_lora = export_lora.is_lora(manifest)
+    if base is not None and not merge:
+        raise ShardwiseError("--base: the base directory is read by --merge only; add --merge or drop --base")
+    if (merge or base is not None) and not is_lora:
+        option = "--merge" if merge else "--base"
+        raise ShardwiseError(f"{option}: {ckpt} is not a LoRA run's checkpoint (its model has no peft config); "
+                             f"export it without {option}")
     names = list(manifest["files"])
     files = open_verified(ckpt, manifest, names, names if verify_checksums else ())
     try:
         problem = description_problem(manifest)
         if problem:
             raise ShardwiseError(f"{ckpt / MANIFEST_NAME}: {problem}")
+        if is_lora and not merge:
+            return _write_atomically(out, ckpt, lambda tmp: export_lora.write_adapter(manifest, files, tmp))
+        if is_lora:
+            with export_lora.merged_source(ckpt, manifest, files, base, dtype) as (layout, produce):
+                return _write_atomically(out, ckpt, lambda tmp: _write_model(tmp, manifest, layout, produce,
+                                                                               max_shard_bytes))
         layout = _layout(manifest, dtype)
-        shards = _split(layout, max_shard_bytes)
-        file_names = [SINGLE_FILE] if len(shards) == 1 else [
-            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}-{time.time_ns()}"
-        try:
-            tmp.mkdir()
-            for file_name, shard in zip(file_names, shards):
-                write_safetensors_streamed(tmp / file_name, shard,
-                                           lambda name: _produce(manifest, files, name, dtype),
-                                           metadata={"format": "pt"})
-            if len(shards) > 1:
-                total = sum(_nbytes(dt, shape) for _, dt, shape in layout)
-                weight_map = {name: file_name for file_name, shard in zip(file_names, shards) for name, _, _ in shard}
-                write_json_durably(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
-            _write_config(manifest, tmp, dtype)
-            # A run started from a Hugging Face model directory kept its tokenizer files (trainer: save_model_files).
-            if (ckpt.parent / RUN_MODEL_FILES).is_dir():
-                copy_model_files(ckpt.parent / RUN_MODEL_FILES, tmp)
-            fsync_dir(tmp)
-            _replace(tmp, out)
-        except OSError as e:  # a full disk, say: one line naming the file, and OUT as it was
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise ShardwiseError(f"{e.filename or tmp}: {e.strerror or e}; nothing was exported, {out} is as it "
-                                 f"was") from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        return _write_atomically(out, ckpt, lambda tmp: _write_model(
+            tmp, manifest, layout, lambda name: _produce(manifest, files, name, dtype), max_shard_bytes))
     finally:
         close_all(files)
+
+
+def _write_atomically(out: Path, ckpt: Path, fill: Callable[[Path], list[str]]) -> list[Path]:
+    """Run ``fill(tmp)`` on a fresh temporary directory beside ``out``, add the run's tokenizer files, then put
+    it in ``out``'s place; on any failure remove it and leave ``out`` as it was. Returns the files ``fill``
+    names."""
+    tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}-{time.time_ns()}"
+    try:
+        tmp.mkdir()
+        file_names = fill(tmp)
+        # A run started from a Hugging Face model directory kept its tokenizer files (trainer: save_model_files).
+        if (ckpt.parent / RUN_MODEL_FILES).is_dir():
+            copy_model_files(ckpt.parent / RUN_MODEL_FILES, tmp)
+        fsync_dir(tmp)
+        _replace(tmp, out)
+    except OSError as e:  # a full disk, say: one line naming the file, and OUT as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ShardwiseError(f"{e.filename or tmp}: {e.strerror or e}; nothing was exported, {out} is as it "
+                             f"was") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return [out / name for name in file_names]
+
+
+def _write_model(tmp: Path, manifest: dict, layout: list, produce: Callable[[str], torch.Tensor],
+                 max_shard_bytes: int) -> list[str]:
+    """The tensors of ``layout`` (each made by ``produce`` right before it is written) as one safetensors
+    file or several with an index, and the model's config. Returns the safetensors file names."""
+    shards = _split(layout, max_shard_bytes)
+    file_names = [SINGLE_FILE] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for file_name, shard in zip(file_names, shards):
+        write_safetensors_streamed(tmp / file_name, shard, produce, metadata={"format": "pt"})
+    if len(shards) > 1:
+        total = sum(_nbytes(dt, shape) for _, dt, shape in layout)
+        weight_map = {name: file_name for file_name, shard in zip(file_names, shards) for name, _, _ in shard}
+        write_json_durably(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    _write_config(manifest, tmp, written_dtype(layout))
+    return file_names
 
 
 def _replace(tmp: Path, out: Path) -> None:
@@ -208,7 +246,17 @@ def _assemble(manifest: dict, files: dict[str, SafetensorsFile], name: str) -> t
     return files[b["file"]].read(b["key"])
 
 
+def written_dtype(layout) -> Optional[torch.dtype]:
+    """The dtype a config.json states for these tensors: that of the floating-point ones, the widest if
+    they differ (so that ``from_pretrained``'s ``dtype="auto"`` never rounds what was written)."""
+    floats = {dt for _, dt, _ in layout if dt.is_floating_point}
+    return max(floats, key=lambda dt: (dt.itemsize, dt == torch.float32)) if floats else None
+
+
 def _write_config(manifest: dict, out: Path, dtype: Optional[torch.dtype]) -> None:
+    """config.json (Hugging Face) or shardwise_model.json. The source config's dtype (say bf16) is replaced
+    by ``dtype``, the dtype of the tensors written: transformers 5 loads with ``dtype="auto"`` by default and
+    would otherwise silently load fp32 masters in bf16."""
     model = manifest["model"]
     if "hf_config" in model:
         config = dict(model["hf_config"])
@@ -263,8 +311,15 @@ def export_main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
                         help="split the output into files of at most this size, with an index (default 5GB)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
-                        help="cast floating-point tensors (default: keep the checkpoint's dtypes)")
+                        help="cast floating-point tensors (default: keep the checkpoint's dtypes, fp32 masters; "
+                             "--merge: fp32); config.json states the dtype written")
     parser.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of the rank files")
+    parser.add_argument("--merge", action="store_true",
+                        help="LoRA runs: write the full model with the adapters merged in (default: the peft "
+                             "adapter directory)")
+    parser.add_argument("--base", metavar="DIR", default=None,
+                        help="LoRA runs with --merge: the base model directory, if it moved since training "
+                             "(its weights must be the recorded base's)")
     try:
         args = parser.parse_args(argv)
     except UsageError as e:
@@ -274,7 +329,7 @@ def export_main(argv: Optional[Sequence[str]] = None) -> int:
         src = resolve_checkpoint(args.src)
         files = export_checkpoint(src, args.out, max_shard_bytes=args.max_shard_size,
                                   dtype=_DTYPES[args.dtype] if args.dtype else None,
-                                  verify_checksums=not args.no_verify)
+                                  verify_checksums=not args.no_verify, merge=args.merge, base=args.base)
     except ShardwiseError as e:
         print(f"shardwise export: error: {e}", file=sys.stderr)
         return 1

@@ -67,6 +67,7 @@ def load_checkpoint(
     optimizer: Optional[torch.optim.Optimizer] = None,
     *,
     verify_checksums: bool = True,
+    frozen_base: Optional[dict] = None,
 ) -> Any:
     """Load a checkpoint written by ``save_checkpoint`` into ``model`` (and ``optimizer``); return ``extra``.
 
@@ -75,13 +76,17 @@ def load_checkpoint(
     for a missing, truncated, corrupt, tampered-with or foreign checkpoint, or one of a different model;
     then the model and optimizer are untouched. ``verify_checksums=False`` skips only the SHA-256 of the
     rank files (commit record, schema, sizes and headers are always checked).
+
+    A checkpoint saved with ``frozen_base`` (adapters only) leaves the model's frozen parameters as they
+    are: load them first (``shardwise.load_pretrained``) and pass their ``frozen_base`` record, which
+    must name the same weights (identity and dtype), else this raises before touching anything.
     """
     from shardwise.api import runtime_of
 
     ckpt = Path(path)
     rt = runtime_of(model)
     manifest = agree.agreed(lambda: read_manifest(ckpt), f"reading {ckpt}")
-    agree.agreed(lambda: check_model(ckpt, manifest, rt, model, optimizer), f"checking {ckpt}")
+    agree.agreed(lambda: check_model(ckpt, manifest, rt, model, optimizer, frozen_base), f"checking {ckpt}")
     plan = agree.agreed(lambda: _plan(manifest, rt, model, optimizer), f"planning reads from {ckpt}")
 
     names = sorted(manifest["files"])
@@ -130,7 +135,7 @@ def _plan(manifest: dict, rt, model: nn.Module, optimizer) -> _Plan:
     for spec, group, i in unique_params(rt):
         name = saved_name_of(spec, saved, alias_of)
         lo, hi, at = group.local_slices[i]
-        if hi <= lo:
+        if hi <= lo or name is None:  # None: a frozen parameter of an adapter-only checkpoint (check_model)
             continue
         dest = {}
         if id(group.shard_params[i]) in held and name in optim_info:

@@ -127,8 +127,8 @@ class CheckpointManager:
         return self.run_dir / step_dir_name(step)
 
     def save(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, step: int,
-             extra: Any = None) -> Path:
-        path = save_checkpoint(self.path_for(step), model, optimizer, step=step, extra=extra)
+             extra: Any = None, frozen_base: Optional[dict] = None) -> Path:
+        path = save_checkpoint(self.path_for(step), model, optimizer, step=step, extra=extra, frozen_base=frozen_base)
 
         def after_commit() -> None:
             if agree.rank() != 0:
@@ -142,7 +142,8 @@ class CheckpointManager:
     def latest(self) -> Optional[Path]:
         return find_latest(self.run_dir)
 
-    def resume(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[tuple[int, Any]]:
+    def resume(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+               frozen_base: Optional[dict] = None) -> Optional[tuple[int, Any]]:
         """Load the newest checkpoint; return ``(step, extra)``, or None when there is none yet. Raises
         ShardwiseError on every rank if the newest is damaged (see ``find_latest``) or does not fit.
 
@@ -151,7 +152,7 @@ class CheckpointManager:
         path = self.choose_latest()
         if path is None:
             return None
-        extra = load_checkpoint(path, model, optimizer)
+        extra = load_checkpoint(path, model, optimizer, frozen_base=frozen_base)
         step = int(_STEP_DIR.match(path.name).group(1))
         return step, extra
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from shardwise.checkpoint.format import dtype_name
+from shardwise.checkpoint.frozen_base import frozen_dtype, mismatch
 from shardwise.checkpoint.model_index import (optimizer_class_name, optimizer_param_names, persistent_buffers,
                                               unique_params)
 from shardwise.checkpoint.schema import short
@@ -42,8 +43,13 @@ def alias_map(manifest: dict) -> dict[str, str]:
     return {a: name for name, p in manifest["params"].items() for a in p["aliases"]}
 
 
-def check_model(ckpt: Path, manifest: dict, rt, model: nn.Module, optimizer) -> None:
-    """Raise a ShardwiseError naming ``ckpt`` if the manifest does not describe this model and optimizer."""
+def check_model(ckpt: Path, manifest: dict, rt, model: nn.Module, optimizer, frozen_base: Optional[dict] = None) -> None:
+    """Raise a ShardwiseError naming ``ckpt`` if the manifest does not describe this model and optimizer (for an
+    adapter-only checkpoint: its trainable parameters, over the frozen base ``frozen_base`` of the model)."""
+    if "frozen_base" in manifest:
+        why = mismatch(manifest["frozen_base"], frozen_base, frozen_dtype(s for s, _g, _i in unique_params(rt)))
+        if why:
+            raise ShardwiseError(f"{ckpt}: {why}")
     problems = _param_problems(manifest, rt) + _buffer_problems(manifest, model, rt)
     if optimizer is not None:
         problems += _optimizer_problems(manifest, rt, optimizer)
@@ -55,11 +61,13 @@ def check_model(ckpt: Path, manifest: dict, rt, model: nn.Module, optimizer) -> 
 
 def _param_problems(manifest: dict, rt) -> list[str]:
     saved, alias_of = manifest["params"], alias_map(manifest)
+    omits_frozen = "frozen_base" in manifest
     problems, missing, seen = [], [], set()
     for spec, _g, _i in unique_params(rt):
         name = saved_name_of(spec, saved, alias_of)
         if name is None:
-            missing.append(spec.fqn)
+            if not (omits_frozen and not spec.requires_grad):
+                missing.append(spec.fqn)
             continue
         seen.add(name)
         entry = saved[name]

@@ -26,6 +26,10 @@ GPT_CLASS = "shardwise.models.gpt.GPT"
 def describe(model: nn.Module) -> dict:
     """What export needs to rebuild the model elsewhere: a Hugging Face config, or a shardwise GPT config."""
     desc: dict[str, Any] = {"class": f"{type(model).__module__}.{type(model).__qualname__}"}
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):  # peft LoRA: the base, and the adapters' config
+        from shardwise.lora import peft_config_dict
+
+        return {**describe(model.get_base_model()), "class": desc["class"], "peft_config": peft_config_dict(model)}
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict") and hasattr(config, "model_type"):
         desc["hf_config"] = json.loads(config.to_json_string(use_diff=False))
@@ -39,7 +43,7 @@ def description_problem(manifest: dict) -> Optional[str]:
     """Why the manifest's tensors are not the model its description rebuilds, or None if they are (or if
     the description cannot be rebuilt here: a custom class, or no transformers installed)."""
     try:
-        model = _rebuild_on_meta(manifest)
+        model = rebuild_on_meta(manifest)
     except ShardwiseError as e:
         return str(e)
     if model is None:
@@ -48,13 +52,20 @@ def description_problem(manifest: dict) -> Optional[str]:
     return f"the tensors are not the model the manifest describes: {problem}" if problem else None
 
 
-def _rebuild_on_meta(manifest: dict) -> Optional[nn.Module]:
+def rebuild_on_meta(manifest: dict) -> Optional[nn.Module]:
+    """The model the manifest describes, on meta (a peft model for a LoRA run); None when it cannot be
+    rebuilt here. Raises ShardwiseError for a description that cannot be right."""
     desc = manifest["model"]
     total = sum(numel_of(p["shape"]) for p in manifest["params"].values())
     if desc["class"] == GPT_CLASS and "config" in desc:
         return _gpt_on_meta(desc["config"], total)
     if "hf_config" in desc:
-        return _hf_on_meta(desc, len(manifest["params"]))
+        model = _hf_on_meta(desc, len(manifest["params"]))
+        if model is not None and "peft_config" in desc:
+            from shardwise.lora import peft_model_from_dict
+
+            model = peft_model_from_dict(model, desc["peft_config"])
+        return model
     return None
 
 
@@ -116,7 +127,10 @@ def compare_with_model(model: nn.Module, manifest: dict) -> Optional[str]:
     built in, and the tensors' dtypes are checked against the files and the sharded model elsewhere."""
     tied: dict[int, list[str]] = {}
     shapes: dict[int, tuple[int, ...]] = {}
+    adapters_only = "frozen_base" in manifest  # the frozen parameters are not stored (frozen_base.py)
     for name, p in model.named_parameters(remove_duplicate=False):
+        if adapters_only and not p.requires_grad:
+            continue
         tied.setdefault(id(p), []).append(name)
         shapes[id(p)] = tuple(p.shape)
     expected = {frozenset(names): shapes[key] for key, names in tied.items()}

@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from shardwise.checkpoint import agree
 from shardwise.checkpoint.commit import write_commit_record
+from shardwise.checkpoint.frozen_base import check_record, frozen_dtype
 from shardwise.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TMP_PREFIX, TRASH_PREFIX,
                                          dtype_name, fsync_dir, rank_file_name, write_json_durably,
                                          write_safetensors)
@@ -56,6 +57,7 @@ def save_checkpoint(
     *,
     step: Optional[int] = None,
     extra: Any = None,
+    frozen_base: Optional[dict] = None,
 ) -> Path:
     """Save ``model`` (sharded by ``shardwise.shard``) and ``optimizer`` to the directory ``path``.
 
@@ -63,6 +65,10 @@ def save_checkpoint(
     None/bool/int/float/str/list/tuple/dict/tensor/ndarray, stored without pickle; ``load_checkpoint``
     gives each rank back its own when the world size is unchanged. The directory appears atomically,
     complete, or not at all; an existing directory of the same name is replaced. Returns ``path``.
+
+    ``frozen_base`` (``checkpoint.frozen_base.base_record``: where the frozen parameters' weights are and
+    their identity): the parameters that do not require gradients are not stored, the record is; a load
+    then needs the same base in the model (LoRA: the checkpoint holds the adapters only).
     """
     from shardwise.api import runtime_of
 
@@ -72,8 +78,11 @@ def save_checkpoint(
     tmp = final.parent / f"{TMP_PREFIX}{final.name}"
     file_name = rank_file_name(me, world)
     step = _checked_step(step)
+    if frozen_base is not None:
+        check_record(frozen_base, "save_checkpoint(frozen_base=...)")
 
-    payload = agree.agreed(lambda: _build_payload(model, rt, optimizer, extra, file_name), "preparing the checkpoint")
+    payload = agree.agreed(lambda: _build_payload(model, rt, optimizer, extra, file_name,
+                                                   frozen_base is not None), "preparing the checkpoint")
     tensors, index = payload
 
     def prepare_dir() -> None:
@@ -93,7 +102,7 @@ def save_checkpoint(
     def commit() -> None:
         if me != 0:
             return
-        manifest = _manifest(indexes, rt, model, optimizer, step, world)
+        manifest = _manifest(indexes, rt, model, optimizer, step, world, frozen_base)
         write_commit_record(tmp, write_json_durably(tmp / MANIFEST_NAME, manifest))
         fsync_dir(tmp)  # every file's entry is durable before the directory can appear under its name
         _replace_dir(tmp, final)
@@ -140,14 +149,20 @@ def _is_writer(rt) -> bool:
     return rt.groups.replicate is None or dist.get_rank(rt.groups.replicate) == 0
 
 
-def _build_payload(model, rt, optimizer, extra, file_name: str) -> tuple[dict[str, torch.Tensor], dict]:
+def _stored_params(rt, omit_frozen: bool):
+    """The parameters a checkpoint stores: all, or with a frozen base recorded, those that train."""
+    return [(spec, group, i) for spec, group, i in unique_params(rt) if spec.requires_grad or not omit_frozen]
+
+
+def _build_payload(model, rt, optimizer, extra, file_name: str, omit_frozen: bool
+                   ) -> tuple[dict[str, torch.Tensor], dict]:
     """This rank's tensors (views, nothing copied) and the JSON index describing them."""
     tensors: dict[str, torch.Tensor] = {}
     index: dict[str, Any] = {"rank": agree.rank(), "file": file_name, "params": {}, "optim_state": {}}
     writer = _is_writer(rt)
     names = optimizer_param_names(rt, optimizer) if optimizer is not None else {}
     if writer:
-        for spec, group, i in unique_params(rt):
+        for spec, group, i in _stored_params(rt, omit_frozen):
             lo, hi, at = group.local_slices[i]
             shard_param = group.shard_params[i]
             entry: dict[str, Any] = {"start": lo, "stop": hi}
@@ -224,12 +239,13 @@ def _no_tensors(where: str, t: torch.Tensor) -> str:
     raise ShardwiseError(f"{where}: tensors are not supported here")
 
 
-def _manifest(indexes: list[dict], rt, model: nn.Module, optimizer, step: Optional[int], world: int) -> dict:
+def _manifest(indexes: list[dict], rt, model: nn.Module, optimizer, step: Optional[int], world: int,
+              frozen_base: Optional[dict]) -> dict:
     """Merge the ranks' indexes into the one description loaders read."""
     from shardwise import __version__
 
     params: dict[str, Any] = {}
-    for spec, _group, _i in unique_params(rt):
+    for spec, _group, _i in _stored_params(rt, frozen_base is not None):
         params[spec.fqn] = {
             "shape": list(spec.shape),
             "dtype": dtype_name(spec.dtype),
@@ -267,4 +283,6 @@ def _manifest(indexes: list[dict], rt, model: nn.Module, optimizer, step: Option
     }
     if optimizer is not None:
         manifest["optimizer"] = {**rank0["optimizer"], "state": optim_state}
+    if frozen_base is not None:
+        manifest["frozen_base"] = {**frozen_base, "dtype": frozen_dtype(s for s, _g, _i in unique_params(rt))}
     return manifest

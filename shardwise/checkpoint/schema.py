@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from shardwise.checkpoint.format import _DTYPE_NAMES, FORMAT_NAME, FORMAT_VERSION, rank_file_name
+from shardwise.checkpoint.frozen_base import check_record
 from shardwise.checkpoint.values import check_encoded
 from shardwise.errors import ShardwiseError
 from shardwise.strategy import STRATEGY_NAMES
@@ -125,7 +126,7 @@ class _Checker:
 def check_manifest(m: Any, path: Path) -> None:
     """Raise a ShardwiseError naming ``path`` and the JSON path of the first violation; None if sound."""
     c = _Checker(Path(path))
-    c.obj(m, "manifest", TOP_LEVEL)
+    c.obj(m, "manifest", TOP_LEVEL, ["frozen_base"])
     if m["format"] != FORMAT_NAME or m["format_version"] != FORMAT_VERSION:
         raise c.fail("format", f"expected {FORMAT_NAME!r} version {FORMAT_VERSION}")
     c.str(m["library_version"], "library_version", max_len=64)
@@ -145,12 +146,19 @@ def check_manifest(m: Any, path: Path) -> None:
     _check_buffers(c, m["buffers"], world)
     _check_optimizer(c, m["optimizer"], m["params"])
     _check_extra(c, m["extra"], world)
+    if "frozen_base" in m:
+        try:
+            check_record(m["frozen_base"], "frozen_base", saved=True)
+        except ShardwiseError as e:
+            raise c.fail("frozen_base", str(e)) from None
+        if m["frozen_base"]["dtype"] is not None:
+            c.dtype(m["frozen_base"]["dtype"], "frozen_base.dtype")
 
 
 def _check_model(c: _Checker, model: Any) -> None:
-    c.obj(model, "model", ["class"], ["config", "hf_config", "hf_architectures"])
+    c.obj(model, "model", ["class"], ["config", "hf_config", "hf_architectures", "peft_config"])
     c.str(model["class"], "model.class", _CLASS_NAME)
-    for key in ("config", "hf_config"):
+    for key in ("config", "hf_config", "peft_config"):
         if key in model:
             c.map(model[key], f"model.{key}")
     if "hf_architectures" in model:

@@ -172,7 +172,8 @@ def from_run(path: Path, tokenizer: str, chat: bool) -> Generator:
         raise ShardwiseError(f"{run_dir / 'config.toml'}: model {cfg.model!r}: {e}{hint}") from None
     checkpoint = resolve_checkpoint(path)
     model = build_sharded_model(cfg, spec, torch.device("cpu"))
-    load_checkpoint(checkpoint, model)
+    # a LoRA run's adapter-only checkpoint goes over the base build_sharded_model read from --model DIR
+    load_checkpoint(checkpoint, model, frozen_base=spec.frozen_base() if cfg.lora_r else None)
     model.eval()
     tok_dir = tokenizer or (tokenizer_dir(cfg.model) if spec.kind == "hf" else "")
     encode, decode, eos = _text_codec(spec.vocab_size, tok_dir, chat, str(path))

@@ -153,8 +153,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     optimizer = build_optimizer(model, cfg)
     # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
     scaler = shardwise.ShardedGradScaler() if cfg.mixed_precision == "fp16" else None
+    frozen_base = spec.frozen_base() if cfg.lora_r else None  # LoRA over DIR's weights: adapter-only checkpoints
     start_step, note = state.restore_training_state(cfg.out, cfg.resume, model, optimizer, seed=cfg.seed,
-                                                    train_tokens=data.train_tokens, grad_scaler=scaler)
+                                                    train_tokens=data.train_tokens, grad_scaler=scaler,
+                                                    frozen_base=frozen_base)
 
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.gradient_accumulation_steps * world
     log = metrics.MetricsLogger(
@@ -225,7 +227,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             log.log(step, grad_norm=grad_norm, lr=lr, val_loss=val)
         if (cfg.save_every and step % cfg.save_every == 0) or last:
             path = state.save_training_state(cfg.out, model, optimizer, step=step, seed=cfg.seed,
-                                             train_tokens=data.train_tokens, grad_scaler=scaler)
+                                             train_tokens=data.train_tokens, grad_scaler=scaler,
+                                             frozen_base=frozen_base)
             if last:
                 summary["checkpoint"] = str(path)
                 if cfg.lora_r:  # the adapters as peft saves them: PeftModel.from_pretrained(base, run/adapter)

@@ -68,6 +68,17 @@ class ModelSpec:
         if self.weights_dir is not None:
             load_pretrained(model, self.weights_dir, rename=rename)
 
+    def frozen_base(self) -> Optional[dict]:
+        """The record an adapter-only checkpoint keeps of its base (``checkpoint.frozen_base``): the weights
+        directory and their identity; None for a random base (config.json only), whose checkpoints must keep
+        the base itself, since no file could give it back."""
+        if self.weights_dir is None:
+            return None
+        from shardwise.checkpoint.frozen_base import base_record
+        from shardwise.pretrained_files import weights_identity
+
+        return base_record(os.path.abspath(self.weights_dir), weights_identity(self.weights_dir))
+
     def default_block_classes(self, model: nn.Module) -> set[type]:
         """The transformer block class(es): GPT's Block, or the HF model's ``_no_split_modules``."""
         if self.kind == "gpt":

@@ -69,15 +69,18 @@ def apply_extra(extra: dict[str, Any]) -> None:
 
 
 def save_training_state(run_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer, *, step: int,
-                        seed: int, train_tokens: int, grad_scaler: Optional[torch.amp.GradScaler] = None) -> Path:
-    """Save model, optimizer and this rank's ``extra`` as ``run_dir/step-XXXXXXXX``. Collective."""
+                        seed: int, train_tokens: int, grad_scaler: Optional[torch.amp.GradScaler] = None,
+                        frozen_base: Optional[dict] = None) -> Path:
+    """Save model, optimizer and this rank's ``extra`` as ``run_dir/step-XXXXXXXX``. Collective. With
+    ``frozen_base`` (a LoRA run over ``--model DIR``'s weights) the frozen base is not stored, only its record."""
     extra = capture_extra(step, seed, dist.get_world_size(), train_tokens, grad_scaler)
-    return _manager(run_dir).save(model, optimizer, step=step, extra=extra)
+    return _manager(run_dir).save(model, optimizer, step=step, extra=extra, frozen_base=frozen_base)
 
 
 def restore_training_state(run_dir: str, resume: str, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                            seed: int, train_tokens: int,
-                           grad_scaler: Optional[torch.amp.GradScaler] = None) -> tuple[int, Optional[str]]:
+                           grad_scaler: Optional[torch.amp.GradScaler] = None,
+                           frozen_base: Optional[dict] = None) -> tuple[int, Optional[str]]:
     """Load the checkpoint ``resume`` names ('latest'/'auto', a checkpoint, or a run directory: its newest);
     return (step to continue after, a note for the user or None). ``resume=''`` or 'latest' with no
     checkpoint yet returns (0, note). Collective; raises ShardwiseError on every rank for a checkpoint that
@@ -94,7 +97,8 @@ def restore_training_state(run_dir: str, resume: str, model: nn.Module, optimize
         path = Path(resume)
         if not (path / "commit.json").exists() and not (path / "manifest.json").exists() and path.is_dir():
             path = _manager(resume).choose_latest() or path  # a run directory: its newest checkpoint
-    extra = load_checkpoint(path, model, optimizer)
+    agree.agreed(lambda: check_frozen_base(path, frozen_base), f"checking {path}")
+    extra = load_checkpoint(path, model, optimizer, frozen_base=frozen_base)
     step = agree.agreed(lambda: check_extra(extra, path, checkpoint_info(path).step, grad_scaler is not None),
                         f"checking {path}")
     notes = []
@@ -114,6 +118,25 @@ def restore_training_state(run_dir: str, resume: str, model: nn.Module, optimize
     if extra["data"]["train_tokens"] != train_tokens:
         notes.append("the training data differs from the checkpoint's (token count changed)")
     return step, ("; ".join(notes) or None)
+
+
+def check_frozen_base(path: Path, frozen_base: Optional[dict]) -> None:
+    """An adapter-only checkpoint resumes only over its own base, read again from ``--model DIR``: refuse,
+    naming the option, a resume without that directory's weights or with other weights (``load_checkpoint``
+    would refuse it too, without naming the trainer's options)."""
+    from shardwise.checkpoint.frozen_base import mismatch
+    from shardwise.checkpoint.verify import read_manifest
+
+    saved = read_manifest(path).get("frozen_base")
+    if saved is None or mismatch(saved, frozen_base, None) is None:
+        return  # (a changed --lora-base-dtype is load_checkpoint's message: it names both dtypes)
+    if frozen_base is None:
+        raise ShardwiseError(f"{path}: an adapter-only LoRA checkpoint over the weights of {saved['source']}; "
+                             f"resume it with --model {saved['source']} (a directory with those weights) and the "
+                             f"run's --lora-* options")
+    raise ShardwiseError(f"--model {frozen_base['source']}: its weights (identity "
+                         f"{frozen_base['weights_sha256'][:12]}...) are not the base {path} was trained over "
+                         f"({saved['source']}, identity {saved['weights_sha256'][:12]}...)")
 
 
 def check_extra(extra: Any, path: Path, manifest_step: Optional[int], want_scaler: bool) -> int:
