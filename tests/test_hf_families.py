@@ -1068,7 +1068,12 @@ def test_hf_gradient_checkpointing_enabled_after_shard(name):
 @pytest.mark.parametrize("name", ["mixtral_hf_checkpointing", "mixtral_adamw", "bert_adamw",
                                   "bert_summon_writeback_zero2"])
 def test_heavier_variants(name):
-    assert_parity(scenario(hf_report_slow(), name)["metrics"], label=name)
+    # AdamW divides each update by sqrt(v): an element whose gradient is zero in exact arithmetic (BERT's
+    # attention key bias, a MoE router's logits at a near-tie) gets a full-size step from 1e-8 of summation
+    # noise, which differs between one process and N ranks. Losses stay at 1e-6; parameters are held to
+    # 1e-4 (measured worst: 3.2e-5 on Mixtral's router, 8.2e-6 on BERT's key bias). SGD variants: 1e-6.
+    param_rtol = 1e-4 if name.endswith("_adamw") else None
+    assert_parity(scenario(hf_report_slow(), name)["metrics"], label=name, param_rtol=param_rtol)
 
 
 # ---- tests: plain torch -----------------------------------------------------------------------------------
