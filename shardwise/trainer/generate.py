@@ -20,7 +20,7 @@ import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -31,13 +31,26 @@ from shardwise.trainer.data import BYTE_VOCAB
 
 @dataclass
 class Generator:
-    """What sampling needs: logits of a (1, T) id tensor, the context length, and text <-> ids."""
+    """What sampling needs: logits of a (1, T) id tensor, the context length, and text <-> ids.
+    ``cached``, where the model keeps a KV cache (Hugging Face models): ``(new ids, cache) -> (logits,
+    cache)``, so each sampled token costs one position's forward instead of the whole context's."""
 
     logits: Callable[[torch.Tensor], torch.Tensor]
     max_positions: Optional[int]
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
     eos_token_id: Optional[int]
+    cached: Optional[Callable[[torch.Tensor, Any], tuple[torch.Tensor, Any]]] = None
+
+
+def hf_cached_logits(model: nn.Module) -> Callable[[torch.Tensor, Any], tuple[torch.Tensor, Any]]:
+    """A Hugging Face causal LM's forward over the ids not yet in ``cache`` (its ``past_key_values``)."""
+
+    def step(ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        return out.logits, out.past_key_values
+
+    return step
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -73,9 +86,14 @@ def sample(gen: Generator, prompt_ids: list[int], max_new_tokens: int, temperatu
     rng = torch.Generator().manual_seed(seed)
     ids = list(prompt_ids)
     new: list[int] = []
+    cache, in_cache = None, 0  # the KV cache holds ids[:in_cache]
     for _ in range(max_new_tokens):
-        context = ids[-gen.max_positions:] if gen.max_positions else ids
-        logits = gen.logits(torch.tensor([context], dtype=torch.int64))[0, -1].float()
+        if gen.cached is not None and not (gen.max_positions and len(ids) > gen.max_positions):
+            logits, cache = gen.cached(torch.tensor([ids[in_cache:]], dtype=torch.int64), cache)
+            logits, in_cache = logits[0, -1].float(), len(ids)
+        else:  # no cache, or the context outgrew the model's positions: a sliding window, recomputed
+            context = ids[-gen.max_positions:] if gen.max_positions else ids
+            logits = gen.logits(torch.tensor([context], dtype=torch.int64))[0, -1].float()
         if temperature == 0:
             token = int(logits.argmax())
         else:
@@ -177,7 +195,8 @@ def from_run(path: Path, tokenizer: str, chat: bool) -> Generator:
     model.eval()
     tok_dir = tokenizer or (tokenizer_dir(cfg.model) if spec.kind == "hf" else "")
     encode, decode, eos = _text_codec(spec.vocab_size, tok_dir, chat, str(path))
-    return Generator(lambda ids: lm_logits(spec, model, ids), spec.max_seq_len, encode, decode, eos)
+    return Generator(lambda ids: lm_logits(spec, model, ids), spec.max_seq_len, encode, decode, eos,
+                     cached=hf_cached_logits(model) if spec.kind == "hf" else None)
 
 
 def from_export(path: Path, tokenizer: str, chat: bool) -> Generator:
@@ -191,7 +210,7 @@ def from_export(path: Path, tokenizer: str, chat: bool) -> Generator:
         vocab = int(model.get_output_embeddings().weight.shape[0])
         encode, decode, eos = _text_codec(vocab, tokenizer or str(path), chat, str(path))
         return Generator(lambda ids: model(input_ids=ids, use_cache=False).logits, hf_max_positions(model.config),
-                         encode, decode, eos)
+                         encode, decode, eos, cached=hf_cached_logits(model))
     from safetensors.torch import load_file
 
     from shardwise.checkpoint.export import INDEX_FILE, SINGLE_FILE
