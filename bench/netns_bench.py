@@ -267,6 +267,8 @@ class NetRun:
     losses: list[float] = field(default_factory=list)
     wall_s: float = 0.0
     note: str = ""  # e.g. an agent's non-zero exit after every rank had written its result
+    # The machine's 1-minute load average when the run ended: other jobs on the same cores stretch step times.
+    load_1min: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -311,7 +313,8 @@ class Bench:
             _, _, timed_out = cc.wait_for_ranks(procs, a.timeout)  # here: agents, one per host
         finally:
             self.stop_agents(procs)
-        run = NetRun(config=cfg.name, shaped=shaped, repeat=repeat, status="ok", wall_s=time.monotonic() - start)
+        run = NetRun(config=cfg.name, shaped=shaped, repeat=repeat, status="ok", wall_s=time.monotonic() - start,
+                     load_1min=os.getloadavg()[0])
         self.read_results(run, run_dir, procs, timed_out, spec.steps)
         return run
 
@@ -388,17 +391,18 @@ def overlap(t_compute: float, t_comm: float, t_step: float) -> float:
 
 def summarize(runs: list[NetRun], configs: list[Config], rate_bps: int) -> str:
     header = ("| config | shaped step s (min / median / max) | unshaped step s = T_compute (median) "
-              "| MB/step per link, tx / rx (busiest host) | T_comm = bytes / rate, s | overlap | loss rank 0 (first → last) |")
-    rows = [header, "|---|---|---|---|---|---|---|"]
+              "| MB/step per link, tx / rx (busiest host) | T_comm = bytes / rate, s | overlap | loss rank 0 (first → last) "
+              "| load avg, shaped runs (min–max) |")
+    rows = [header, "|---|---|---|---|---|---|---|---|"]
     for cfg in configs:
         if cfg.unavailable:
-            rows.append(f"| {cfg.name} | {cc.short(cfg.unavailable, 140)} | — | — | — | — | — |")
+            rows.append(f"| {cfg.name} | {cc.short(cfg.unavailable, 140)} | — | — | — | — | — | — |")
             continue
         shaped = [r for r in runs if r.config == cfg.name and r.shaped]
         base = [r for r in runs if r.config == cfg.name and not r.shaped]
         ok, base_ok = [r for r in shaped if r.ok], [r for r in base if r.ok]
         if not ok:
-            rows.append(f"| {cfg.name} | {'; '.join(sorted({r.status for r in shaped}))} | — | — | — | — | — |")
+            rows.append(f"| {cfg.name} | {'; '.join(sorted({r.status for r in shaped}))} | — | — | — | — | — | — |")
             continue
         cell = cc.min_med_max([r.median_step_s for r in ok], ".3f")
         notes = sorted({r.note for r in shaped + base if r.note})
@@ -418,8 +422,9 @@ def summarize(runs: list[NetRun], configs: list[Config], rate_bps: int) -> str:
             compute_cell = "; ".join(sorted({r.status for r in base})) or "not run"
             overlap_cell = "—"
         loss = f"{ok[0].losses[0]:.4f} → {ok[0].losses[-1]:.4f}"
+        loads = [r.load_1min for r in shaped]
         rows.append(f"| {cfg.name} | {cell} | {compute_cell} | {tx / 1e6:.2f} / {rx / 1e6:.2f} | {t_comm:.3f} "
-                    f"| {overlap_cell} | {loss} |")
+                    f"| {overlap_cell} | {loss} | {min(loads):.1f}–{max(loads):.1f} |")
     return "\n".join(rows)
 
 
@@ -528,7 +533,7 @@ def main(argv: list[str] | None = None) -> None:
                     detail = (f"{run.median_step_s:.3f} s/step, link tx {run.tx_bytes_per_step / 1e6:.2f} MB/step"
                               if run.ok else run.status)
                     print(f"  r{repeat + 1} {'shaped  ' if shaped else 'unshaped'} {cfg.name:<34} {detail}  "
-                          f"({run.wall_s:.0f} s wall)", flush=True)
+                          f"({run.wall_s:.0f} s wall, load {run.load_1min:.1f})", flush=True)
     finally:
         net.remove_leftovers()
         left = net.leftovers()
