@@ -30,7 +30,7 @@ def _one_step(rank: int, world: int, poison_rank: int) -> dict:
     return {"stepped": changed, "scale": scaler.get_scale()}
 
 
-@pytest.mark.parametrize("poison_rank", [None, 1])
+@pytest.mark.parametrize("poison_rank", [pytest.param(None, marks=pytest.mark.slow), 1])
 def test_an_overflow_in_one_ranks_shard_makes_every_rank_skip_and_back_off(poison_rank):
     results = run_distributed(_one_step, 3, poison_rank)
     if poison_rank is None:

@@ -48,7 +48,8 @@ def _worker(rank: int, world_size: int) -> dict:
         assert shardwise.num_parameters(model) == sum(t.numel() for t in full.values())
         assert shardwise.num_parameters(model, only_trainable=True) == sum(
             p.numel() for n, p in full.items() if dict(factory().named_parameters())[n].requires_grad)
-        cfg = types.SimpleNamespace(weight_decay=0.1, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, optimizer="adamw")
+        cfg = types.SimpleNamespace(weight_decay=0.1, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, optimizer="adamw",
+                                    cpu_offload=False)
         decay = {id(p) for p in build_optimizer(model, cfg).param_groups[0]["params"]}
         muon = build_optimizer(model, types.SimpleNamespace(**{**vars(cfg), "optimizer": "muon"}))
         on_muon = {id(p) for g in muon.param_groups if g["use_muon"] for p in g["params"]}

@@ -134,7 +134,7 @@ def _rank0(results) -> tuple[float, dict, str]:
     return float(found.group(1)), ast.literal_eval(found.group(2)), error
 
 
-@pytest.mark.parametrize("scenario", ["skipped_forward", "clip_alone"])
+@pytest.mark.parametrize("scenario", ["skipped_forward", pytest.param("clip_alone", marks=pytest.mark.slow)])
 def test_a_rank_stuck_in_a_collective_raises_within_seconds_and_every_rank_reports(scenario, out_dirs):
     results = _run_stall(scenario, out_dirs[scenario])
     waited, _, error = _rank0(results)

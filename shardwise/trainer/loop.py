@@ -263,7 +263,13 @@ def train_worker(cfg_values: dict[str, Any]) -> dict[str, Any]:
         if failures.debug_enabled():
             raise
         failures.report_worker_failure(e)  # first: the launcher stops the other ranks once one has exited
-        raise SystemExit(1) from None
+        # The process group may be broken (a peer failed or died mid-collective): tearing it down, or the
+        # interpreter's own teardown of gloo's threads, can abort in C++ ("terminate called without an
+        # active exception") and print past the one line. The line is reported and every file this run
+        # writes is closed or committed by now: leave without destructors.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     finally:
         sys.stdout.flush()
         launch.shutdown_worker()

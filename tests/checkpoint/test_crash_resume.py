@@ -18,13 +18,13 @@ import pytest
 from ckpt_workers import assert_same_contents, contents
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS, SAVE_EVERY = 48, 2  # two dozen saves of a ~1M-parameter model: each takes long enough to be hit
+STEPS_PER_KILL, SAVE_EVERY = 12, 2  # six saves per kill of a ~1M-parameter model: each takes long enough to be hit
 
 
-def _train_cmd(out: Path, max_restarts: int) -> list[str]:
+def _train_cmd(out: Path, max_restarts: int, steps: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
-            "-m", "shardwise", "train", "--model", "gpt-small", "--steps", str(STEPS),
+            "-m", "shardwise", "train", "--model", "gpt-small", "--steps", str(steps),
             "--save-every", str(SAVE_EVERY), "--resume", "auto", "--out", str(out),
             "--batch-size", "4", "--seq-len", "32", "--eval-every", "0", "--progress", "false", "--timeout-s", "60"]
 
@@ -124,12 +124,13 @@ class Killer(threading.Thread):
 @pytest.mark.parametrize("plan", [["random", "save"], pytest.param(["random", "save", "random", "save"],
                                                                     marks=pytest.mark.slow)], ids=["2-kills", "4-kills"])
 def test_kill_9_at_random_points_resumes_bitwise(tmp_path, plan):
+    steps = STEPS_PER_KILL * len(plan)
     reference = tmp_path / "reference"
-    subprocess.run(_train_cmd(reference, 0), cwd=REPO, env=_env(), check=True, timeout=400,
+    subprocess.run(_train_cmd(reference, 0, steps), cwd=REPO, env=_env(), check=True, timeout=400,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     crashed = tmp_path / "crashed"
-    agent = subprocess.Popen(_train_cmd(crashed, len(plan) + 1), cwd=REPO, env=_env(),
+    agent = subprocess.Popen(_train_cmd(crashed, len(plan) + 1, steps), cwd=REPO, env=_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killer = Killer(agent, crashed, plan, seed=int(os.environ.get("SHARDWISE_CRASH_SEED", "0")))
     killer.start()
@@ -144,5 +145,5 @@ def test_kill_9_at_random_points_resumes_bitwise(tmp_path, plan):
     assert len(killer.log) >= 2, f"the killer only got to {killer.log}"
     assert any("during a save" in entry for entry in killer.log), killer.log
 
-    final = f"step-{STEPS:08d}"
+    final = f"step-{steps:08d}"
     assert_same_contents(contents(reference / final), contents(crashed / final))

@@ -221,6 +221,7 @@ def test_offloaded_training_equals_the_run_without_offload_at_two_ranks(case):
     _check_parity(scenario(_report(2, False), case), case)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", DEFAULT_WS3)
 def test_offloaded_training_equals_the_run_without_offload_at_three_ranks(case):
     """Uneven shards (3 ranks): the same bits as without offload."""
