@@ -2012,7 +2012,9 @@ WS3_SLOW_PREFIXES = ("ac_utils_reentrant_shard_grad_op", "ac_utils_nonreentrant_
                      "chunked_head_tied_shard_grad_op", "grad_acc_shard_grad_op", "bitfit_shard_grad_op",
                      "multi_forward_mixed_requires_grad_shard_grad_op", "mp_bf16_compute_fp32_reduce_shard_grad_op",
                      "state_dict_roundtrip_dim3_shard_grad_op", "memory_shard_grad_op", "clip_grad_norm_1.0",
-                     "meta_init_dim8", "activations_in_typed_namedtuple", "activations_in_nested_dataclass")
+                     "meta_init_dim8", "activations_in_typed_namedtuple", "activations_in_nested_dataclass",
+                     "clip_grad_norm_inf", "meta_init_dim3", "activations_in_list", "activations_in_dict",
+                     "chunked_head_untied_full_shard")
 
 
 def is_slow(name: str, ws: int) -> bool:

@@ -61,6 +61,7 @@ def test_resume_continues_bit_for_bit(tmp_path, mixed_precision, optimizer, offl
         assert scalers[0] == scalers[1] and scalers[0][0]["_growth_tracker"] == 6, scalers
 
 
+@pytest.mark.slow  # the default run resumes --resume latest in place in trainer/test_lora_checkpoints.py
 def test_resume_latest_in_the_same_run_dir(tmp_path):
     cfg = TrainConfig(model="gpt-tiny", steps=2, batch_size=2, seq_len=32, eval_every=0, log_every=1,
                       save_every=1, progress=False, out=str(tmp_path / "run"))
