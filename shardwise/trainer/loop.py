@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import shardwise
+from shardwise.api import runtime_of
 from shardwise.device import compute_device
 from shardwise.trainer import config as config_mod
 from shardwise.trainer import failures, launch, metrics, plot, preflight, schedule, state
@@ -104,8 +105,11 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         # Steps each unit on the CPU as its gradients land and clips by the global norm itself (the same bits
         # as clip_grad_norm_ + AdamW); fp16's loss scaler needs the whole step after backward, so it keeps
         # the plain optimizer.
+        # With a GPU doing the compute the host step is the bottleneck: torch's fused CPU kernel (the CPU-only
+        # case keeps the default kernel, which is what makes it bitwise equal to a run without offload).
+        fused = runtime_of(model).device.type == "cuda"
         return shardwise.offload_optimizer(model, torch.optim.AdamW, groups, max_grad_norm=clip_limit(cfg),
-                                           lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
+                                           lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused or None)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
 
 
