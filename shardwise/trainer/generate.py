@@ -90,7 +90,8 @@ def sample(gen: Generator, prompt_ids: list[int], max_new_tokens: int, temperatu
     for _ in range(max_new_tokens):
         if gen.cached is not None and not (gen.max_positions and len(ids) > gen.max_positions):
             logits, cache = gen.cached(torch.tensor([ids[in_cache:]], dtype=torch.int64), cache)
-            logits, in_cache = logits[0, -1].float(), len(ids)
+            # a model that returns no cache gets the whole context again next time: slower, never wrong
+            logits, in_cache = logits[0, -1].float(), len(ids) if cache is not None else 0
         else:  # no cache, or the context outgrew the model's positions: a sliding window, recomputed
             context = ids[-gen.max_positions:] if gen.max_positions else ids
             logits = gen.logits(torch.tensor([context], dtype=torch.int64))[0, -1].float()

@@ -32,3 +32,19 @@ def test_kv_cached_sampling_equals_recomputing_the_context(export_dir, temperatu
     uncached = sample(dataclasses.replace(gen, cached=None), prompt, 20, temperature, 20, seed=7)
     assert len(cached) == 20
     assert cached == uncached
+
+
+def test_a_model_that_returns_no_cache_is_given_the_whole_context_each_time(export_dir):
+    from shardwise.trainer.generate import from_export, sample
+
+    gen = dataclasses.replace(from_export(export_dir, "", chat=False), eos_token_id=None)
+    seen = []
+
+    def forgetful(ids, cache):
+        seen.append(ids.shape[1])
+        return gen.cached(ids, None)[0], None
+
+    prompt = gen.encode("The quick brown fox")
+    got = sample(dataclasses.replace(gen, cached=forgetful), prompt, 5, 0.0, 0, seed=0)
+    assert seen == [len(prompt) + i for i in range(5)]  # never only the newest token without its context
+    assert got == sample(dataclasses.replace(gen, cached=None), prompt, 5, 0.0, 0, seed=0)
