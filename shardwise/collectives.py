@@ -19,6 +19,7 @@ through it too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from datetime import timedelta
@@ -36,6 +37,39 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 _use_all_reduce_cache: dict = {}
+
+
+@contextlib.contextmanager
+def _without_python_tls():
+    """Launch a collective with no Python object in the thread-local state the work captures.
+
+    [Note: a gloo worker must never free a Python object] Every c10d work copies the caller's
+    ``at::ThreadLocalState``; during ``backward()`` that holds the ``contextvars`` context torch's
+    ``_engine_run_backward`` stashes under the key "context". The gloo worker thread often drops the last
+    reference to a work after the waiter has moved on; if the interpreter is finalizing by then (a script
+    that ends right after its last step, with or without ``destroy_process_group()``), freeing that object
+    takes the GIL, Python ends the thread with ``pthread_exit``, the forced unwind crosses a ``noexcept``
+    destructor and the process aborts: "terminate called without an active exception" (core dump: a
+    ``ProcessGroupGloo::runLoop`` thread in ``~AsyncAllreduceWork`` -> ``~ThreadLocalState`` ->
+    ``SafePyObject`` decref -> ``take_gil`` -> ``pthread_exit`` -> ``std::terminate``). So the stash is
+    taken out while the collective is launched and put back right after; a gloo collective does not read it.
+
+    Private torch API, kept to this function: ``torch._C._is_key_in_tls`` / ``_get_obj_in_tls`` /
+    ``_remove_obj_from_tls`` / ``_stash_obj_in_tls`` exist in torch 2.13 (checked) and 2.11; where they are
+    missing nothing is stashed either."""
+    c = torch._C
+    if not (hasattr(c, "_is_key_in_tls") and c._is_key_in_tls(_BACKWARD_TLS_KEY)):
+        yield
+        return
+    stashed = c._get_obj_in_tls(_BACKWARD_TLS_KEY)
+    c._remove_obj_from_tls(_BACKWARD_TLS_KEY)
+    try:
+        yield
+    finally:
+        c._stash_obj_in_tls(_BACKWARD_TLS_KEY, stashed)
+
+
+_BACKWARD_TLS_KEY = "context"
 
 
 def gathers_by_all_reduce(group, device: torch.device = torch.device("cpu")) -> bool:
@@ -82,10 +116,12 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: 
         output.zero_()
         output.narrow(0, dist.get_rank(group) * n, n).copy_(shard)
         _place_header(output, n * dist.get_world_size(group), header)
-        work = dist.all_reduce(output, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        with _without_python_tls():
+            work = dist.all_reduce(output, op=dist.ReduceOp.SUM, group=group, async_op=True)
     else:
         assert header is None, "in-band headers ride only on the all-reduce path"
-        work = _all_gather_single(output, shard, group=group, async_op=True)
+        with _without_python_tls():
+            work = _all_gather_single(output, shard, group=group, async_op=True)
     if async_op:
         return work
     wait(work, what=what or _called("all_gather", output), group=group)
@@ -100,11 +136,13 @@ def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, group, async_o
     if gathers_by_all_reduce(group, flat.device):
         n = output.numel()
         _place_header(flat, n * dist.get_world_size(group), header)
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        with _without_python_tls():
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
         work = _ThenCopy(work, output, flat.narrow(0, dist.get_rank(group) * n, n))
     else:
         assert header is None, "in-band headers ride only on the all-reduce path"
-        work = _reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        with _without_python_tls():
+            work = _reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
     if async_op:
         return work
     wait(work, what=what or _called("reduce_scatter", flat), group=group)
@@ -116,7 +154,8 @@ def all_reduce_sum(tensor: torch.Tensor, group, async_op: bool = False, header: 
     """Sum ``tensor`` over ranks in place; ``header`` is written into its last elements first and summed too."""
     if header is not None:
         _place_header(tensor, tensor.numel() - header.numel(), header)
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    with _without_python_tls():
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
     if async_op:
         return work
     wait(work, what=what or _called("all_reduce", tensor), group=group)
@@ -127,7 +166,8 @@ def run_and_wait(collective: Callable, *args, what: Optional[str] = None, group=
     """Run a torch.distributed collective synchronously, waiting through ``wait`` (named errors, stall
     reports): ``run_and_wait(dist.broadcast, t, src=0, what="...")`` in place of ``dist.broadcast(t, src=0)``.
     ``collective`` must accept ``group`` and ``async_op``."""
-    work = collective(*args, group=group, async_op=True, **kwargs)
+    with _without_python_tls():
+        work = collective(*args, group=group, async_op=True, **kwargs)
     wait(work, what=what or _called(getattr(collective, "__name__", "collective"), _first_tensor(args)),
          group=group)
 

@@ -51,6 +51,7 @@ not out of step. Without a store (``_default_store`` below) the report is this r
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -133,6 +134,9 @@ def set_ring_source(rings: Callable[[], dict], diagnose: Diagnosis) -> None:
     _ring_source, _diagnose = rings, diagnose
 _start_lock = threading.Lock()
 _wake = threading.Event()  # set by a wait that has just passed the threshold: the watchdog looks at once
+_stop = threading.Event()  # set at interpreter exit: the watchdog thread leaves its loop
+_thread: Optional[threading.Thread] = None
+EXIT_JOIN_S = 2.0
 
 
 def _text(what: What) -> str:
@@ -267,7 +271,21 @@ def _start() -> None:
         s.started = True
         if dist.get_world_size() < 2:
             return  # a world of one: nobody to wait for
-        threading.Thread(target=_Watchdog().run, name="shardwise-watchdog", daemon=True).start()
+        global _thread
+        _thread = threading.Thread(target=_Watchdog().run, name="shardwise-watchdog", daemon=True)
+        _thread.start()
+        atexit.register(_stop_at_exit)
+
+
+def _stop_at_exit() -> None:
+    """Stop the watchdog thread before the interpreter finalizes. A daemon thread that comes back from a
+    store call (C++, GIL released) after finalization began is ended with ``pthread_exit``, whose unwind
+    through pybind11's GIL guard aborts the process (see [Note: a gloo worker must never free a Python
+    object] in collectives.py for the same mechanism). atexit handlers run while the interpreter is whole."""
+    _stop.set()
+    _wake.set()
+    if _thread is not None and _thread is not threading.current_thread():
+        _thread.join(EXIT_JOIN_S)
 
 
 def _where(s: _State, now: float) -> dict:
@@ -347,13 +365,15 @@ class _Watchdog:
         return n
 
     def run(self) -> None:
-        while True:
+        while not _stop.is_set():
             _wake.wait(POLL_S)
             _wake.clear()
+            if _stop.is_set():
+                return
             try:
                 self.tick()
             except Exception:
-                time.sleep(4 * POLL_S)  # the store is gone (a rank exited, the group was destroyed): back off
+                _stop.wait(4 * POLL_S)  # the store is gone (a rank exited, the group was destroyed): back off
 
     def tick(self) -> None:
         s = _state
@@ -413,7 +433,7 @@ class _Watchdog:
                 quiet: bool = False) -> dict:
         keys = [f"{_KEY}/{ep}/{r}" for r in range(world)]
         deadline = time.monotonic() + GATHER_S
-        while not store.check(keys) and time.monotonic() < deadline:
+        while not store.check(keys) and time.monotonic() < deadline and not _stop.is_set():
             time.sleep(0.1)
         lines = {str(r): json.loads(store.get(k)) for r, k in enumerate(keys) if store.check([k])}
         waiting = {line["in"] for line in lines.values()}
@@ -436,7 +456,7 @@ class _Watchdog:
         key = f"{_KEY}/{ep}/report"
         deadline = time.monotonic() + GATHER_S + 5 * POLL_S
         while not store.check([key]):
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or _stop.is_set():
                 return {"by": None, "thr": 0.0, "raise": False, "lines": {str(rank): json.loads(line)},
                         "why": "the report is incomplete"}
             time.sleep(0.1)
