@@ -27,14 +27,15 @@ learn whether a report was started:
 
 Threshold, ``SHARDWISE_STALL_S``:
 
-* a number > 0: a wait that long is a stall; reported, and raised.
+* a number > 0: a wait that long is a stall; reported, and raised (the user asked for it).
 * ``0``: the watchdog is off (plain waits, no thread).
 * unset: ``max(FLOOR_S, STEP_FACTOR x the longest step this rank has timed)``, a step being the time
-  between two root forwards. Until a rank has timed one step (``shard()``, loading, the first step) it is
-  ``FIRST_STEP_S`` and the verdict is *report only*: ranks legitimately reach ``shard()`` minutes apart
-  (rank 0 loading weights the others receive by broadcast). The floor is not smaller because rank-0-only
-  work between steps (saving a full state dict, logging) makes the other ranks wait in the next forward's
-  all-gather for tens of seconds in healthy runs.
+  between two root forwards (``FIRST_STEP_S`` until a rank has timed one), and the verdict is *report
+  only* unless the ranks' recent collectives prove they parted (below). A wait that long is not proof:
+  rank-local work between steps (evaluation or ``torch.save`` on rank 0, loading weights the others
+  receive by broadcast) makes the other ranks wait in the next collective for minutes in healthy runs, and
+  the process group's own timeout (``init_process_group(timeout=...)``) is the user's word on how long
+  is too long; that timeout still ends the wait, with a report printed before it.
 
 Every rank's line also carries its recent collectives (``consistency._rings``: the last ``RING``
 fingerprints, and the out-of-band log not yet compared), read by the watchdog thread only when a report is
@@ -166,7 +167,7 @@ def threshold() -> tuple[Optional[float], bool]:
         return (env, True) if env > 0 else (None, False)
     s = _state
     if s.step >= 2:
-        return max(FLOOR_S, STEP_FACTOR * s.longest), True
+        return max(FLOOR_S, STEP_FACTOR * s.longest), False
     return FIRST_STEP_S, False
 
 
@@ -394,7 +395,7 @@ class _Watchdog:
             if stalled:
                 s.reported = now
                 self.finish({"by": rank, "thr": thr, "raise": may_raise, "lines": {str(rank): _where(s, now)},
-                             "why": "before the first timed step" if not may_raise else "",
+                             "why": f"{ENV} unset: report only" if not may_raise else "",
                              "note": "other ranks unknown: the process group has no c10d store to ask"}, rank,
                             world)
             return
@@ -439,7 +440,8 @@ class _Watchdog:
         waiting = {line["in"] for line in lines.values()}
         why = ""
         if not may_raise:
-            why = f"no step timed yet on rank {rank} ({ENV} unset)"
+            why = (f"{ENV} is unset, so only a proven disagreement raises before the process group's own "
+                   f"timeout; {ENV}=<seconds> makes a wait that long raise")
         elif len(lines) == world and len(waiting) == 1 and None not in waiting:
             may_raise, why = False, "every rank is in this same collective (slow, not out of step)"
         report = {"by": rank, "thr": thr, "raise": may_raise, "lines": lines, "why": why}
