@@ -69,6 +69,11 @@ def shard(
     if hasattr(model, STATE_ATTR):
         raise ShardwiseError(f"shardwise.shard() was already called on this {type(model).__name__} (or on a model "
                              f"that contains it); call it once, on the whole model")
+    inner = next((name for name, m in model.named_modules() if name and hasattr(m, STATE_ATTR)), None)
+    if inner is not None:
+        raise ShardwiseError(f"shardwise.shard(): submodule {inner!r} of this {type(model).__name__} is already "
+                             f"sharded (shard() was called on it); call shard() once, on the whole model, and "
+                             f"choose the units with units=")
     strategy = Strategy.parse(strategy)
     mp = mixed_precision or MixedPrecision()
     pgs = resolve_groups(strategy, mesh)

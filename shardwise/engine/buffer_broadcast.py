@@ -5,7 +5,9 @@ data, so BatchNorm's running statistics drift apart across ranks, evaluation dif
 checkpoint keeps rank 0's. DDP's default answer is to broadcast rank 0's buffers before every forward;
 ``shard(broadcast_buffers=True)`` (the default) does the same.
 
-One collective per forward for all buffers together: they are packed per dtype into one flat tensor, rank 0
+A buffer is written only where rank 0's values differ from its own (see ``_broadcast``), so two forwards
+before one backward with a buffer saved for backward work as in plain torch. One collective per forward
+for all buffers together: they are packed per dtype into one flat tensor, rank 0
 writes its values and every other rank zeros, and a sum delivers rank 0's values everywhere (x + 0 is exact
 in every dtype). Ranks agree on it first through the fingerprint side exchange (``check_now``), like every
 collective outside the unit schedule. Over a 2-D mesh it runs over the shard groups, then over the
@@ -59,5 +61,10 @@ class BufferBroadcast:
         at = 0
         with torch.no_grad():
             for t in tensors:
-                t.copy_(flat.narrow(0, at, t.numel()).view(t.shape))
+                received = flat.narrow(0, at, t.numel()).view(t.shape)
                 at += t.numel()
+                # Written only where it differs: an in-place write bumps the buffer's version counter, and a
+                # buffer saved for backward (a RoPE cache, a mask) by an earlier forward of the same step
+                # must stay untouched, or that backward fails with torch's in-place error.
+                if not torch.equal(t, received.to(t.dtype)):
+                    t.copy_(received)

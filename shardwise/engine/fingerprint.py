@@ -58,7 +58,7 @@ from shardwise.engine import collectives, watchdog
 from shardwise.errors import ShardwiseError
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast_buffers", "clip_grad_norm", "state_dict",
-       "summon_full_params", "checkpoint")
+       "summon_full_params", "checkpoint", "kept_copy_agreement")
 MODEL = 256**3 - 1  # the unit field of a collective that belongs to the model as a whole, not to one unit
 PHASES = ("idle", "forward", "backward")
 

@@ -84,6 +84,7 @@ class FlatGroup:
         self._gather_src: Optional[torch.Tensor] = None  # keeps a cast/moved shard alive during the collective
         self._gather_stamp: Optional[Stamp] = None
         self._unsynced_grad: Optional[torch.Tensor] = None  # no_sync accumulation, unsharded, reduce dtype
+        self._unsynced_marks: list = []  # (param, its grad, grad's version) handed out with it: see the Note
         self._warned_frozen = False
         self.checker: Optional[CollectiveChecker] = None
         self.ids = (0, 0)  # (unit index, group index within the unit)
@@ -138,7 +139,6 @@ class FlatGroup:
         # ZeRO-1/2 keep the gathered buffer across steps (nothing to keep when it is the shard itself).
         self.keep_gathered = self.wants_kept_gathered and not self.aliases_shard
         self.refresh_due = True  # the gathered buffer does not hold the shard's current values
-        self._gathered_from: Optional[tuple] = None  # the shard's versions when it was last gathered
         if self.keep_gathered:
             _KEPT_GATHERED.add(self)
             _refresh_after_optimizer_steps()
@@ -147,11 +147,18 @@ class FlatGroup:
         """Changes whenever the shard is written in place (optimizer step, load, user code under no_grad)."""
         return (version_counter(self.shard),) + tuple(version_counter(p) for p in self.shard_params)
 
-    def gathered_is_current(self) -> bool:
-        """ZeRO-1/2: whether the kept gathered buffer still holds the shard's values. ``refresh_due`` is the
-        rank-consistent signal (a synced backward, an optimizer step, a load: all ranks see them alike);
-        the version counters also catch in-place writes by user code between steps."""
-        return not self.refresh_due and self._gathered_from == self.shard_version()
+    def kept_copy_differs(self) -> bool:
+        """ZeRO-1/2, this rank's view: whether the kept gathered buffer no longer holds what gathering the
+        shards now would give, read from the values themselves (so a write through ``p.data``, which no
+        version counter sees, counts). Only ``ModelRuntime.agree_kept_copies`` asks, and it makes the
+        verdict the same on every rank; see [Note: one path decides the shards were written] there."""
+        if not (self.keep_gathered and self.state is GatherState.GATHERED) or self.refresh_due:
+            return self.keep_gathered and self.state is GatherState.GATHERED
+        mine = self.gathered.narrow(0, self.shard_start, self.plan.shard_numel)
+        shard = self.shard
+        if shard.device != mine.device or shard.dtype != mine.dtype:
+            shard = shard.to(device=mine.device, dtype=mine.dtype)
+        return not torch.equal(mine, shard)
 
     def converted_dtype(self) -> Optional[torch.dtype]:
         """The floating dtype every shard parameter was converted to after shard() by ``model.to(dtype)``,
@@ -273,7 +280,7 @@ class FlatGroup:
         if self.state is GatherState.FAILED:
             raise ShardwiseError(f"{self._what('all_gather')} failed earlier and never completed; the process "
                                  f"group is unusable from there on: restart the job")
-        if self.state is GatherState.GATHERED and self.keep_gathered and not self.gathered_is_current():
+        if self.state is GatherState.GATHERED and self.keep_gathered and self.refresh_due:
             self.state = GatherState.SHARDED  # ZeRO-1/2 after a step: refill the kept buffer
         if self.state is not GatherState.SHARDED:
             return
@@ -294,7 +301,7 @@ class FlatGroup:
                 self._writer, src, self.pgs.shard, async_op=True, header=stamp.header if stamp else None)
             self._gather_src, self._gather_stamp = src, stamp
         self.state = GatherState.GATHERING
-        self.refresh_due, self._gathered_from = False, self.shard_version()
+        self.refresh_due = False
 
     def wait_unshard(self) -> None:
         if self.state is GatherState.GATHERING:
@@ -339,11 +346,12 @@ class FlatGroup:
             else:
                 dst.copy_(g.reshape(-1))
         flat.narrow(0, self.plan.numel, self.plan.padded_numel - self.plan.numel).zero_()
-        if self._unsynced_grad is not None:
+        if self.has_unsynced_grad():
             flat.add_(self._unsynced_grad)
             self._unsynced_grad = None
         if not sync:
             self._unsynced_grad = flat
+            self._hand_out_unsynced()
             return None
         dp = self.pgs.data_parallel_size
         # Low-precision sums divide first so they cannot overflow; fp32 divides once at the end, which
@@ -387,7 +395,25 @@ class FlatGroup:
                 p.grad.add_(piece)
             run_post_accumulate_grad_hooks(p)
 
+    # [Note: the no_sync accumulator follows p.grad] Under no_sync the gradient accumulates unsharded,
+    # here, not in ``p.grad``. Its lifetime follows the handles the user holds: each trainable shard
+    # parameter gets a ``p.grad`` (zeros until the synced backward adds the reduced gradient to it) and the
+    # accumulator lives only while every one of those is still the same tensor, unwritten. So
+    # ``optimizer.zero_grad()`` (to None, or zeroed in place), ``p.grad = None`` or any write to the
+    # gradients drops the accumulated micro-batches, as in plain torch and DDP.
+    def _hand_out_unsynced(self) -> None:
+        marks = []
+        for p in self.shard_params:
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                marks.append((p, p.grad, version_counter(p.grad)))
+        self._unsynced_marks = marks
+
     def has_unsynced_grad(self) -> bool:
+        if self._unsynced_grad is not None and any(
+                p.grad is not grad or version_counter(grad) != v for p, grad, v in self._unsynced_marks):
+            self._unsynced_grad = None  # the user dropped or rewrote the gradients it belonged to
         return self._unsynced_grad is not None
 
 

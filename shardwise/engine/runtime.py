@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from shardwise.engine import watchdog
+from shardwise.engine import collectives, watchdog
 from shardwise.engine.flat_group import PendingReduce
 from shardwise.engine.mixed_precision import MixedPrecision
 from shardwise.engine.strategy import ProcessGroups, Strategy
@@ -52,6 +52,16 @@ class ModelRuntime:
         self.state_dict_keys = None  # the model's state_dict names before sharding (state_dict.py)
         self.device: Optional[torch.device] = None  # the compute device
 
+    def __deepcopy__(self, memo):
+        # copy.deepcopy(model) reaches this through every submodule's attribute: the copy would share this
+        # runtime's hooks, buffers and process groups, so it is refused by name instead of failing on a
+        # ProcessGroup pickle.
+        raise ShardwiseError(
+            "copy.deepcopy() of a sharded model: its parameters are this rank's shards and its runtime holds "
+            "process groups and gathered buffers. Copy the model before shardwise.shard() (and shard the copy "
+            "too), or keep copies of the shards: [p.detach().clone() for p in model.parameters()] (an EMA "
+            "updates them in place)")
+
     def flat_groups(self):
         """Every flat group of the model, unit by unit in model order: the one walk over the model's memory
         (norms sum in this order, checkpoints and state dicts list parameters in it)."""
@@ -66,6 +76,7 @@ class ModelRuntime:
         watchdog.note_step()  # "outside shardwise since step N" in a stall report
         for fn in self.before_forward:
             fn()
+        self.agree_kept_copies()
         self.phase = Phase.FORWARD
         self._recording = []
         self._on_track = True
@@ -153,6 +164,28 @@ class ModelRuntime:
                 u.bind_sharded()
                 u.reshard()
         self.phase = Phase.IDLE
+
+    # [Note: one path decides the shards were written] ZeRO-1/2 keep each unit's gathered parameters
+    # across steps, so the kept copy goes stale whenever a shard is written: an optimizer step, a load
+    # (state dict, checkpoint, load_pretrained), summon_full_params' writeback, or user code (an EMA swap or
+    # pruning through ``p.data``, which no version counter sees). Refilling is an all-gather, so the verdict
+    # must be the same on every rank of the shard group, or one rank gathers while another does not and gloo
+    # aborts. So the verdict has one source, taken at every top-level entry (``agree_kept_copies``): each
+    # rank compares its kept chunk with its shard (plus ``refresh_due``, set alike on every rank by
+    # ``shards_written`` and optimizer steps), and one small all-reduce ORs the answers. Writers need not
+    # announce themselves, and none can bypass it.
+    def agree_kept_copies(self) -> None:
+        kept = [g for g in self.flat_groups() if g.keep_gathered]
+        if not kept:
+            return
+        stale = torch.tensor([float(g.kept_copy_differs()) for g in kept], device=self.device)
+        if self.pgs.shard is not None:
+            if self.checker is not None:
+                self.checker.check_now("kept_copy_agreement", stale.numel())
+            collectives.all_reduce_sum(stale, self.pgs.shard, what="the agreement on stale kept parameters")
+        for g, n in zip(kept, stale.tolist()):
+            if n:
+                g.refresh_due = True
 
     def shards_written(self) -> None:
         """The shards were (or are about to be) written: gathered parameters kept across steps (ZeRO-1/2) are

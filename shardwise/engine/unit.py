@@ -240,6 +240,8 @@ class Unit:
                 self.frames.append(Frame(FrameKind.PASS, frame.outer_exc))  # for the always-called exit
                 raise
         self.frames.append(frame)  # before anything else can fail: the always-called exit pops it
+        if not frame.top_level and not in_backward and m.phase is not Phase.FORWARD and not self.frames[:-1]:
+            m.agree_kept_copies()  # a unit entered on its own, outside a root forward (see runtime.py)
         if not self.params_bound() and m.phase is not Phase.FORWARD:
             self.check_intact()  # inside the root's forward, settle() checked every unit already
         if in_backward:

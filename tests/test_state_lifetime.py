@@ -1,0 +1,213 @@
+"""State that follows the user's handles, and safety machinery that leaves healthy runs alone (issue #19,
+causes 2 and 3). One spawn per world size runs every scenario (``run_scenarios``); each test reads its own.
+
+* The no_sync accumulator lives only while the ``p.grad`` it belongs to does: ``zero_grad()`` drops the
+  micro-batches accumulated before it, under every strategy.
+* ZeRO-1/2's kept gathered parameters follow every write to the shards, however it is made (an optimizer
+  step, ``load_pretrained`` after a forward, a write through ``p.data``, a write on one rank only), and
+  the ranks agree on refilling them: outputs equal full_shard's.
+* Buffer broadcast does not write a buffer that already holds rank 0's values: two forwards before one
+  backward with a buffer saved for backward work as in plain torch.
+* ``copy.deepcopy`` of a sharded model and ``shard()`` of a model with a sharded submodule are refused by
+  name.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shardwise
+import hf_dirs
+from harness import run_distributed
+from models import GPT, Block, gpt_loss, tiny_gpt_config
+from parity_utils import (assert_engine_clean, local_slice, make_batches, run_scenarios, scenario,
+                          sharded_param_errors, spawn_once)
+
+STRATEGIES = ("full_shard", "shard_grad_op", "shard_optim_grad", "shard_optim", "no_shard")
+KEPT = ("shard_optim_grad", "shard_optim")  # the strategies that keep gathered parameters across steps
+VOCAB = tiny_gpt_config().vocab_size
+
+
+def _gpt(strategy=None):
+    torch.manual_seed(0)
+    model = GPT(tiny_gpt_config())
+    return model if strategy is None else shardwise.shard(model, units={Block}, strategy=strategy)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _no_sync_dropped(rank, world):
+    """Micro-batch A under no_sync, then zero_grad() (to None, and zeroed in place), then micro-batch B synced
+    and a step: the result is B's step alone, as in plain torch."""
+    (xa, ya), (xb, yb) = make_batches(2, VOCAB)
+    ref = _gpt()
+    opt = _sgd(ref.parameters())
+    gpt_loss(ref, xb, yb).backward()
+    opt.step()
+    out = {}
+    for i, strategy in enumerate(STRATEGIES):
+        for set_to_none in (i % 2 == 0,):  # both kinds of zero_grad, alternating over the strategies
+            model = _gpt(strategy)
+            opt = _sgd(model.parameters())
+            with shardwise.no_sync(model):
+                gpt_loss(model, local_slice(xa, rank, world), local_slice(ya, rank, world)).backward()
+            opt.zero_grad(set_to_none=set_to_none)
+            gpt_loss(model, local_slice(xb, rank, world), local_slice(yb, rank, world)).backward()
+            assert_engine_clean(model)
+            opt.step()
+            out[f"{strategy} set_to_none={set_to_none}"] = max(sharded_param_errors(model, ref).values())
+    return out
+
+
+def _logits(model, x):
+    with torch.no_grad():
+        return model(x).logits
+
+
+def _kept_copy_writes(rank, world):
+    """After a step, the shards are written three ways between two forwards; each strategy's outputs must
+    equal full_shard's (which gathers at every forward, so it always reads the shards)."""
+    (x, y), = make_batches(1, VOCAB)
+    out = {}
+    for strategy in ("full_shard",) + KEPT:
+        model = _gpt(strategy)
+        opt = _sgd(model.parameters())
+        gpt_loss(model, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        seen = [_logits(model, x)]
+        for p in model.parameters():  # an EMA swap / pruning, through .data: no version counter sees it
+            p.data.mul_(0.5)
+        seen.append(_logits(model, x))
+        if rank == 0:  # a write on one rank only: that rank's shards change, the others' do not
+            for p in model.parameters():
+                p.data.add_(0.25)
+        seen.append(_logits(model, x))
+        gpt_loss(model, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
+        assert_engine_clean(model)
+        out[strategy] = seen
+    return out
+
+
+def _buffer_saved_for_backward(rank, world):
+    """A buffer that a forward saves for backward (a mask multiplied in), broadcast before every forward:
+    two forwards, then one backward of both."""
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(7, 7) for _ in range(2))
+            self.register_buffer("mask", torch.linspace(0.5, 1.5, 7))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x) * self.mask  # mul saves the mask for backward
+            return x
+
+    torch.manual_seed(0)
+    ref = Masked()
+    model = shardwise.shard(copy.deepcopy(ref), units={nn.Linear})
+    x1, x2 = torch.randn(4, 7, generator=torch.Generator().manual_seed(1)), torch.randn(4, 7)
+    (ref(x1).square().sum() + ref(x2).square().sum()).backward()
+    loss = model(x1).square().sum() + model(x2).square().sum()
+    loss.backward()  # every rank the same batch: the gradient is the single-process one
+    _sgd(ref.parameters()).step()
+    _sgd(model.parameters()).step()
+    assert_engine_clean(model)
+    return {"err": max(sharded_param_errors(model, ref).values())}
+
+
+def _refusals(rank, world):
+    out = {}
+    model = _gpt("full_shard")
+    try:
+        copy.deepcopy(model)
+        out["deepcopy"] = "no error"
+    except shardwise.ShardwiseError as e:
+        out["deepcopy"] = str(e)
+    torch.manual_seed(0)
+    outer = GPT(tiny_gpt_config())
+    shardwise.shard(outer.blocks[0], units={type(outer.blocks[0].mlp)})
+    try:
+        shardwise.shard(outer, units={Block})
+        out["nested"] = "no error"
+    except shardwise.ShardwiseError as e:
+        out["nested"] = str(e)
+    return out
+
+
+def _load_pretrained_after_forward(rank, world, directory):
+    """Issue #17's regression: a forward, then load_pretrained, then a forward: ZeRO-1/2 equal full_shard."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    x = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for strategy in ("full_shard",) + KEPT:
+        torch.manual_seed(7)  # other weights than the file's
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=torch.float32).eval()
+        shardwise.shard(model, strategy=strategy)
+        before = _logits(model, x)
+        shardwise.load_pretrained(model, directory)
+        out[strategy] = (before, _logits(model, x))
+    return out
+
+
+def _scenarios(directory):
+    return {"no_sync_dropped": _no_sync_dropped, "kept_copy_writes": _kept_copy_writes,
+            "buffer_saved_for_backward": _buffer_saved_for_backward, "refusals": _refusals,
+            "load_pretrained_after_forward": lambda r, w: _load_pretrained_after_forward(r, w, directory)}
+
+
+def _worker(rank, world, directory):
+    return run_scenarios(_scenarios(directory), rank, world)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return hf_dirs.make_model_dir(str(tmp_path_factory.mktemp("hf") / "llama"), "llama", tokenizer=False)
+
+
+@spawn_once
+def _report(world: int, directory: str) -> list:
+    return run_distributed(_worker, world, directory)
+
+
+def test_zero_grad_drops_the_no_sync_accumulation_under_every_strategy(llama_dir):
+    for rank_report in _report(2, llama_dir):
+        errs = scenario(rank_report, "no_sync_dropped")
+        assert all(e < 1e-6 for e in errs.values()), errs
+
+
+def test_kept_parameters_follow_every_write_to_the_shards(llama_dir):
+    for rank_report in _report(2, llama_dir):
+        seen = scenario(rank_report, "kept_copy_writes")
+        for strategy in KEPT:
+            for when, (got, want) in enumerate(zip(seen[strategy], seen["full_shard"])):
+                assert torch.equal(got, want), (strategy, ["after a step", "after p.data", "after rank 0"][when])
+
+
+def test_load_pretrained_after_a_forward_is_used_under_zero1_and_zero2(llama_dir):
+    for rank_report in _report(2, llama_dir):
+        seen = scenario(rank_report, "load_pretrained_after_forward")
+        want_before, want_after = seen["full_shard"]
+        assert not torch.equal(want_before, want_after)  # the load changed the weights
+        for strategy in KEPT:
+            assert torch.equal(seen[strategy][1], want_after), strategy
+
+
+def test_two_forwards_before_a_backward_keep_a_broadcast_buffer_saved_for_backward(llama_dir):
+    for rank_report in _report(2, llama_dir):
+        assert scenario(rank_report, "buffer_saved_for_backward")["err"] < 1e-6
+
+
+def test_deepcopy_and_sharding_around_a_sharded_submodule_are_refused_by_name(llama_dir):
+    for rank_report in _report(2, llama_dir):
+        out = scenario(rank_report, "refusals")
+        assert out["deepcopy"].startswith("copy.deepcopy() of a sharded model"), out
+        assert "submodule 'blocks.0'" in out["nested"] and "already sharded" in out["nested"], out
