@@ -8,8 +8,8 @@ causes 2 and 3). One spawn per world size runs every scenario (``run_scenarios``
   the ranks agree on refilling them: outputs equal full_shard's.
 * Buffer broadcast does not write a buffer that already holds rank 0's values: two forwards before one
   backward with a buffer saved for backward work as in plain torch.
-* ``copy.deepcopy`` of a sharded model and ``shard()`` of a model with a sharded submodule are refused by
-  name.
+* ``copy.deepcopy`` of a sharded model, ``shard()`` of a model with a sharded submodule and a
+  ``summon_full_params(writeback=True)`` edit made on one rank only are refused by name.
 """
 
 from __future__ import annotations
@@ -139,6 +139,18 @@ def _refusals(rank, world):
         out["nested"] = "no error"
     except shardwise.ShardwiseError as e:
         out["nested"] = str(e)
+    with shardwise.summon_full_params(model), torch.no_grad():  # the same edit on every rank: written back
+        model.lm_head.weight.mul_(2.0)
+    try:
+        with shardwise.summon_full_params(model), torch.no_grad():
+            if rank == 0:
+                model.lm_head.weight.add_(1.0)
+        out["one_rank_edit"] = "no error"
+    except shardwise.ShardwiseError as e:
+        out["one_rank_edit"] = str(e)
+    with shardwise.summon_full_params(model, writeback=False):
+        out["lm_head"] = model.lm_head.weight.detach().clone()
+    out["lm_head_ref"] = _gpt().lm_head.weight.detach() * 2.0
     return out
 
 
@@ -206,8 +218,10 @@ def test_two_forwards_before_a_backward_keep_a_broadcast_buffer_saved_for_backwa
         assert scenario(rank_report, "buffer_saved_for_backward")["err"] < 1e-6
 
 
-def test_deepcopy_and_sharding_around_a_sharded_submodule_are_refused_by_name(llama_dir):
+def test_deepcopy_nested_shard_and_one_rank_writeback_are_refused_by_name(llama_dir):
     for rank_report in _report(2, llama_dir):
         out = scenario(rank_report, "refusals")
         assert out["deepcopy"].startswith("copy.deepcopy() of a sharded model"), out
         assert "submodule 'blocks.0'" in out["nested"] and "already sharded" in out["nested"], out
+        assert "were edited differently on different ranks" in out["one_rank_edit"], out
+        assert torch.equal(out["lm_head"], out["lm_head_ref"])  # the common edit kept, the one-rank one refused

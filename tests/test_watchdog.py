@@ -219,3 +219,19 @@ def test_ranks_all_in_the_same_collective_are_reported_not_raised(one_rank, caps
     assert "Report only, nothing raised: every rank is in this same collective" in printed, printed
     dog.tick()  # reported once per threshold, not at every poll
     assert capsys.readouterr().err == ""
+
+
+def test_unset_threshold_reports_a_long_wait_and_leaves_it_to_the_process_group_timeout(one_rank, monkeypatch,
+                                                                                       capsys):
+    """Rank-local work between steps (evaluation, torch.save on rank 0) makes the others wait past the
+    threshold in a healthy run: with SHARDWISE_STALL_S unset that is reported, never raised."""
+    monkeypatch.delenv("SHARDWISE_STALL_S")
+    monkeypatch.setattr(watchdog, "_default_store", lambda: None)
+    monkeypatch.setattr(watchdog, "FLOOR_S", 1.0)
+    one_rank.step, one_rank.longest = 5, 0.1
+    _stuck(one_rank, "all_gather of unit 'x'", 3.0)
+    watchdog._Watchdog().tick()
+    assert one_rank.abort is None
+    printed = capsys.readouterr().err
+    assert "rank 0: in all_gather of unit 'x' for 3.0 s" in printed and "Report only, nothing raised" in printed, \
+        printed

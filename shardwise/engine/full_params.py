@@ -16,8 +16,10 @@ import functools
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from shardwise.engine import collectives
 from shardwise.errors import ShardwiseError
 from shardwise.engine.unit import Frame, FrameKind, Phase, autograd_engine_running
 
@@ -67,10 +69,44 @@ def summon_full_params(module: nn.Module, writeback: bool = True) -> Iterator[No
                 u.frames.remove(frame)
             u.rebind()
         if writeback:
+            _refuse_rank_local_edits(rt, fulls)
             with torch.no_grad():
                 for g, full in fulls:
                     g.shard.copy_(full.narrow(0, g.shard_start, g.plan.shard_numel))
                     g.refresh_due = True  # ZeRO-1/2: the kept gathered copy is refilled at the next unshard
+
+
+def _refuse_rank_local_edits(rt, fulls) -> None:
+    """Each rank writes back only its own slice of the full parameters, so an edit made on some ranks only
+    would change only those ranks' slices: a model no rank ever held. The ranks compare two digests of every
+    parameter first (one all-reduce of the maximum of +d and -d per stage) and, if any differs, every rank
+    raises naming it and nothing is written back."""
+    stages = [g for g in (rt.pgs.shard, rt.pgs.replicate) if g is not None]
+    specs = [(g, s) for g, _ in fulls for s in g.plan.params]
+    if not stages or not specs:
+        return
+    with torch.no_grad():
+        digests = []
+        for g, full in fulls:
+            for s in g.plan.params:
+                x = full.narrow(0, s.offset, s.numel).to(torch.float64)
+                digests += [x.sum(), (x * torch.arange(1, s.numel + 1, dtype=torch.float64, device=x.device)).sum()]
+        mine = torch.nan_to_num(torch.stack(digests), nan=1.5e300).cpu()  # NaN equals NaN here
+        if rt.checker is not None:
+            rt.checker.check_now("summon_full_params", 2 * mine.numel())
+        both = torch.cat([mine, -mine]).to(rt.device)
+        for group in stages:
+            collectives.run_and_wait(dist.all_reduce, both, op=dist.ReduceOp.MAX, group=group,
+                                     what="the comparison of summon_full_params edits")
+        both = both.cpu()
+        n = mine.numel()
+        differs = (both[:n] != -both[n:]).view(-1, 2).any(dim=1).tolist()
+    bad = [s.fqn for (_, s), d in zip(specs, differs) if d]
+    if bad:
+        raise ShardwiseError(f"summon_full_params(writeback=True): {len(bad)} parameter(s), first {bad[0]!r}, were "
+                             f"edited differently on different ranks; each rank writes back only its own slice, "
+                             f"so make the same edit on every rank (broadcast the values first). Nothing was "
+                             f"written back")
 
 
 def register_forward_method(module: nn.Module, name: str) -> None:
