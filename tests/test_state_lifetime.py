@@ -170,10 +170,39 @@ def _load_pretrained_after_forward(rank, world, directory):
     return out
 
 
+def _unfrozen_after_shard_is_saved(rank, world, ckpt_dir):
+    """A checkpoint with a frozen base stores what trains *now*: a parameter frozen at shard() and unfrozen
+    after it is saved and restored, not silently reverted to the base."""
+    from shardwise.checkpoint.frozen_base import base_record
+
+    base = base_record("/base", "0" * 64)
+
+    def frozen_gpt():
+        model = _gpt()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.lm_head.weight.requires_grad_(True)
+        model.blocks[0].mlp.c_fc.weight.requires_grad_(True)  # frozen base, trained head: LoRA's shape
+        return shardwise.shard(model, units={Block})
+
+    model = frozen_gpt()
+    wanted = dict(model.named_parameters())["blocks.1.mlp.c_fc.weight"]
+    wanted.requires_grad_(True)  # unfrozen after shard()
+    with torch.no_grad():
+        wanted.add_(1.0)
+    shardwise.save_checkpoint(ckpt_dir, model, frozen_base=base)
+    fresh = frozen_gpt()
+    fresh_param = dict(fresh.named_parameters())["blocks.1.mlp.c_fc.weight"]
+    fresh_param.requires_grad_(True)
+    shardwise.load_checkpoint(ckpt_dir, fresh, frozen_base=base)
+    return {"restored": torch.equal(fresh_param.detach(), wanted.detach())}
+
+
 def _scenarios(directory):
     return {"no_sync_dropped": _no_sync_dropped, "kept_copy_writes": _kept_copy_writes,
             "buffer_saved_for_backward": _buffer_saved_for_backward, "refusals": _refusals,
-            "load_pretrained_after_forward": lambda r, w: _load_pretrained_after_forward(r, w, directory)}
+            "load_pretrained_after_forward": lambda r, w: _load_pretrained_after_forward(r, w, directory),
+            "unfrozen_after_shard": lambda r, w: _unfrozen_after_shard_is_saved(r, w, directory + "-ckpt")}
 
 
 def _worker(rank, world, directory):
@@ -225,3 +254,8 @@ def test_deepcopy_nested_shard_and_one_rank_writeback_are_refused_by_name(llama_
         assert "submodule 'blocks.0'" in out["nested"] and "already sharded" in out["nested"], out
         assert "were edited differently on different ranks" in out["one_rank_edit"], out
         assert torch.equal(out["lm_head"], out["lm_head_ref"])  # the common edit kept, the one-rank one refused
+
+
+def test_a_checkpoint_with_a_frozen_base_saves_parameters_unfrozen_after_shard(llama_dir):
+    for rank_report in _report(2, llama_dir):
+        assert scenario(rank_report, "unfrozen_after_shard")["restored"]

@@ -43,12 +43,6 @@ def check_record(record: Any, where: str, saved: bool = False) -> None:
         raise ShardwiseError(f"{where}.dtype: expected a dtype name or null")
 
 
-def frozen_dtype(specs) -> str | None:
-    """The one dtype of the frozen floating-point parameters (None when there are none, or several)."""
-    names = {dtype_name(s.dtype) for s in specs if not s.requires_grad and s.dtype.is_floating_point}
-    return names.pop() if len(names) == 1 else None
-
-
 def mismatch(saved: dict, given: dict | None, model_dtype: str | None) -> str | None:
     """Why a model whose frozen parameters are ``given`` (in ``model_dtype``) cannot take a checkpoint that
     omits the frozen parameters of ``saved``; None if it can."""

@@ -18,9 +18,9 @@ import torch
 import torch.nn as nn
 
 from shardwise.checkpoint.format import dtype_name
-from shardwise.checkpoint.frozen_base import frozen_dtype, mismatch
-from shardwise.checkpoint.model_index import (optimizer_class_name, optimizer_param_names, persistent_buffers,
-                                              unique_params)
+from shardwise.checkpoint.frozen_base import mismatch
+from shardwise.checkpoint.model_index import (frozen_dtype, optimizer_class_name, optimizer_param_names,
+                                              persistent_buffers, trains, unique_params)
 from shardwise.checkpoint.schema import short
 from shardwise.checkpoint.values import decode, decode_scalar_tensor
 from shardwise.errors import ShardwiseError
@@ -47,7 +47,7 @@ def check_model(ckpt: Path, manifest: dict, rt, model: nn.Module, optimizer, fro
     """Raise a ShardwiseError naming ``ckpt`` if the manifest does not describe this model and optimizer (for an
     adapter-only checkpoint: its trainable parameters, over the frozen base ``frozen_base`` of the model)."""
     if "frozen_base" in manifest:
-        why = mismatch(manifest["frozen_base"], frozen_base, frozen_dtype(s for s, _g, _i in unique_params(rt)))
+        why = mismatch(manifest["frozen_base"], frozen_base, frozen_dtype(rt))
         if why:
             raise ShardwiseError(f"{ckpt}: {why}")
     problems = _param_problems(manifest, rt) + _buffer_problems(manifest, model, rt)
@@ -63,10 +63,10 @@ def _param_problems(manifest: dict, rt) -> list[str]:
     saved, alias_of = manifest["params"], alias_map(manifest)
     omits_frozen = "frozen_base" in manifest
     problems, missing, seen = [], [], set()
-    for spec, _g, _i in unique_params(rt):
+    for spec, g, i in unique_params(rt):
         name = saved_name_of(spec, saved, alias_of)
         if name is None:
-            if not (omits_frozen and not spec.requires_grad):
+            if not (omits_frozen and not trains(g, i)):
                 missing.append(spec.fqn)
             continue
         seen.add(name)

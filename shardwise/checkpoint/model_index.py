@@ -22,6 +22,21 @@ def unique_params(rt) -> Iterator[tuple[ParamSpec, FlatGroup, int]]:
                 yield spec, group, i
 
 
+def trains(group: FlatGroup, i: int) -> bool:
+    """Whether parameter ``i`` of ``group`` trains now: its shard parameter's ``requires_grad``, which the
+    user may have changed since ``shard()`` (the plan's ``spec.requires_grad`` is the value at planning).
+    What a checkpoint stores and checks follows this, so a parameter unfrozen after ``shard()`` is saved."""
+    return group.shard_params[i].requires_grad
+
+
+def frozen_dtype(rt) -> str | None:
+    """The one dtype of the model's frozen floating-point parameters now (None when none, or several)."""
+    from shardwise.checkpoint.format import dtype_name
+
+    names = {dtype_name(s.dtype) for s, g, i in unique_params(rt) if not trains(g, i) and s.dtype.is_floating_point}
+    return names.pop() if len(names) == 1 else None
+
+
 def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
     """The optimizer class a checkpoint records and checks: the algorithm whose state it holds. An
     ``offload_optimizer`` holds exactly its inner class's state (one instance per flat group, one shared

@@ -37,13 +37,13 @@ import torch.nn as nn
 
 from shardwise.engine import agree
 from shardwise.checkpoint.commit import write_commit_record
-from shardwise.checkpoint.frozen_base import check_record, frozen_dtype
+from shardwise.checkpoint.frozen_base import check_record
 from shardwise.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TMP_PREFIX, TRASH_PREFIX,
                                          dtype_name, fsync_dir, rank_file_name, write_json_durably,
                                          write_safetensors)
 from shardwise.checkpoint.model_description import describe
-from shardwise.checkpoint.model_index import (optimizer_class_name, optimizer_param_names, persistent_buffers,
-                                              unique_params)
+from shardwise.checkpoint.model_index import (frozen_dtype, optimizer_class_name, optimizer_param_names,
+                                              persistent_buffers, trains, unique_params)
 from shardwise.checkpoint.values import encode, encode_scalar_tensor
 from shardwise.errors import ShardwiseError
 
@@ -151,7 +151,7 @@ def _is_writer(rt) -> bool:
 
 def _stored_params(rt, omit_frozen: bool):
     """The parameters a checkpoint stores: all, or with a frozen base recorded, those that train."""
-    return [(spec, group, i) for spec, group, i in unique_params(rt) if spec.requires_grad or not omit_frozen]
+    return [(spec, group, i) for spec, group, i in unique_params(rt) if trains(group, i) or not omit_frozen]
 
 
 def _build_payload(model, rt, optimizer, extra, file_name: str, omit_frozen: bool
@@ -244,11 +244,11 @@ def _manifest(indexes: list[dict], rt, model: nn.Module, optimizer, step: Option
     """Merge the ranks' indexes into the one description loaders read."""
     from shardwise.version import __version__
     params: dict[str, Any] = {}
-    for spec, _group, _i in _stored_params(rt, frozen_base is not None):
+    for spec, group, i in _stored_params(rt, frozen_base is not None):
         params[spec.fqn] = {
             "shape": list(spec.shape),
             "dtype": dtype_name(spec.dtype),
-            "requires_grad": spec.requires_grad,
+            "requires_grad": trains(group, i),
             "aliases": [r.fqn for r in spec.refs[1:]],  # tied names: stored once, under the first
             "pieces": [],
         }
@@ -283,5 +283,5 @@ def _manifest(indexes: list[dict], rt, model: nn.Module, optimizer, step: Option
     if optimizer is not None:
         manifest["optimizer"] = {**rank0["optimizer"], "state": optim_state}
     if frozen_base is not None:
-        manifest["frozen_base"] = {**frozen_base, "dtype": frozen_dtype(s for s, _g, _i in unique_params(rt))}
+        manifest["frozen_base"] = {**frozen_base, "dtype": frozen_dtype(rt)}
     return manifest

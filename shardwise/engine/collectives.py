@@ -19,7 +19,10 @@ through it too.
 
 from __future__ import annotations
 
+import atexit
+import collections
 import contextlib
+import ctypes
 import os
 import sys
 from datetime import timedelta
@@ -39,20 +42,47 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _use_all_reduce_cache: dict = {}
 
 
+# [Note: a gloo worker must never free a Python object] A gloo worker thread frees a work (and what it
+# holds: the caller's thread-local state, the tensors it was given) when it is done with it; if the caller
+# dropped its handles first, that free is the last reference, and it drops Python objects: a tensor whose
+# Python object torch preserved while C++ held it, or the ``contextvars`` context ``backward()`` stashes in
+# thread-local state. That needs the GIL; if the interpreter is finalizing by then (a script that ends right
+# after its last step, with or without ``destroy_process_group()``), Python ends the thread with
+# ``pthread_exit``, the forced unwind crosses a ``noexcept`` destructor and the process aborts: "terminate
+# called without an active exception" (core dump: a ``ProcessGroupGloo::runLoop`` thread in
+# ``~AsyncAllreduceWork`` -> ``~ThreadLocalState`` -> ``SafePyObject`` decref -> ``take_gil`` ->
+# ``pthread_exit`` -> ``std::terminate``). Two rules keep the last reference on the Python side:
+# collectives are launched without the backward's stash (``_without_python_tls``), and the handles of the
+# last ``RETAIN`` works stay referenced here, for ever once the interpreter exits (``_keep_at_exit``), so a
+# worker that is still finishing one at exit never holds the last reference to anything.
+RETAIN = 8
+_retained: "collections.deque" = collections.deque(maxlen=RETAIN)
+_keep_registered = False
+
+
+def _retain(work):
+    """Keep ``work``'s handle referenced (see the Note above); returns it."""
+    global _keep_registered
+    if work is not None:
+        _retained.append(work)
+        if not _keep_registered:
+            _keep_registered = True
+            atexit.register(_keep_at_exit)
+    return work
+
+
+def _keep_at_exit() -> None:
+    """At exit, before finalization: the retained handles are never freed (one extra reference to their
+    deque), so no gloo worker finishing one of them can be the last to release it."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_retained))
+
+
 @contextlib.contextmanager
 def _without_python_tls():
-    """Launch a collective with no Python object in the thread-local state the work captures.
-
-    [Note: a gloo worker must never free a Python object] Every c10d work copies the caller's
-    ``at::ThreadLocalState``; during ``backward()`` that holds the ``contextvars`` context torch's
-    ``_engine_run_backward`` stashes under the key "context". The gloo worker thread often drops the last
-    reference to a work after the waiter has moved on; if the interpreter is finalizing by then (a script
-    that ends right after its last step, with or without ``destroy_process_group()``), freeing that object
-    takes the GIL, Python ends the thread with ``pthread_exit``, the forced unwind crosses a ``noexcept``
-    destructor and the process aborts: "terminate called without an active exception" (core dump: a
-    ``ProcessGroupGloo::runLoop`` thread in ``~AsyncAllreduceWork`` -> ``~ThreadLocalState`` ->
-    ``SafePyObject`` decref -> ``take_gil`` -> ``pthread_exit`` -> ``std::terminate``). So the stash is
-    taken out while the collective is launched and put back right after; a gloo collective does not read it.
+    """Launch a collective with no Python object in the thread-local state the work captures (during
+    ``backward()``: the context torch's ``_engine_run_backward`` stashes under "context"; see [Note: a gloo
+    worker must never free a Python object]). The stash is put back right after; a gloo collective does
+    not read it.
 
     Private torch API, kept to this function: ``torch._C._is_key_in_tls`` / ``_get_obj_in_tls`` /
     ``_remove_obj_from_tls`` / ``_stash_obj_in_tls`` exist in torch 2.13 (checked) and 2.11; where they are
@@ -117,11 +147,11 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: 
         output.narrow(0, dist.get_rank(group) * n, n).copy_(shard)
         _place_header(output, n * dist.get_world_size(group), header)
         with _without_python_tls():
-            work = dist.all_reduce(output, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            work = _retain(dist.all_reduce(output, op=dist.ReduceOp.SUM, group=group, async_op=True))
     else:
         assert header is None, "in-band headers ride only on the all-reduce path"
         with _without_python_tls():
-            work = _all_gather_single(output, shard, group=group, async_op=True)
+            work = _retain(_all_gather_single(output, shard, group=group, async_op=True))
     if async_op:
         return work
     wait(work, what=what or _called("all_gather", output), group=group)
@@ -137,12 +167,12 @@ def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, group, async_o
         n = output.numel()
         _place_header(flat, n * dist.get_world_size(group), header)
         with _without_python_tls():
-            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            work = _retain(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True))
         work = _ThenCopy(work, output, flat.narrow(0, dist.get_rank(group) * n, n))
     else:
         assert header is None, "in-band headers ride only on the all-reduce path"
         with _without_python_tls():
-            work = _reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            work = _retain(_reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True))
     if async_op:
         return work
     wait(work, what=what or _called("reduce_scatter", flat), group=group)
@@ -155,7 +185,7 @@ def all_reduce_sum(tensor: torch.Tensor, group, async_op: bool = False, header: 
     if header is not None:
         _place_header(tensor, tensor.numel() - header.numel(), header)
     with _without_python_tls():
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        work = _retain(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True))
     if async_op:
         return work
     wait(work, what=what or _called("all_reduce", tensor), group=group)
@@ -167,7 +197,7 @@ def run_and_wait(collective: Callable, *args, what: Optional[str] = None, group=
     reports): ``run_and_wait(dist.broadcast, t, src=0, what="...")`` in place of ``dist.broadcast(t, src=0)``.
     ``collective`` must accept ``group`` and ``async_op``."""
     with _without_python_tls():
-        work = collective(*args, group=group, async_op=True, **kwargs)
+        work = _retain(collective(*args, group=group, async_op=True, **kwargs))
     wait(work, what=what or _called(getattr(collective, "__name__", "collective"), _first_tensor(args)),
          group=group)
 

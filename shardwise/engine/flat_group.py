@@ -435,6 +435,10 @@ class PendingReduce:
         the backward that produced it raised)."""
         g = self.group
         g._wait_checked(self.work, self.op, self.stamp, self.flat)
+        if self.flat is not None and self.flat.untyped_storage().data_ptr() != self.out_buffer.untyped_storage().data_ptr():
+            # Its memory is freed now: collectives keep the finished work (and so this tensor) referenced for
+            # a while ([Note: a gloo worker must never free a Python object] in collectives.py).
+            self.flat.untyped_storage().resize_(0)
         self.flat = None  # the unsharded gradient buffer dies here (ZeRO-1: lives on behind the grad views)
         if discard:
             self.out_buffer = None
