@@ -144,6 +144,48 @@ def _meta_buffers(rank, ws):
 SCENARIOS["meta_buffers"] = _meta_buffers
 
 
+class WithRawParameter(nn.Module):
+    """A module whose own parameter nothing initialises: no reset_parameters (its Linear has one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(5, 5)
+        self.scale = nn.Parameter(torch.empty(5))
+
+    def forward(self, x):
+        return self.proj(x) * self.scale
+
+
+def _meta_parameters(rank, ws):
+    """A parameter on meta that no init writes is a named error (it would be uninitialised memory, different
+    on every rank); a param_init_fn that writes it passes."""
+    out = {}
+    with torch.device("meta"):
+        model = WithRawParameter()
+    try:
+        shardwise.shard(model, units={nn.Linear}, param_init_fn=lambda m: m.reset_parameters()
+                        if hasattr(m, "reset_parameters") else None)
+        out["default"] = "no error"
+    except shardwise.ShardwiseError as e:
+        out["default"] = str(e)
+
+    def init(m):
+        if isinstance(m, WithRawParameter):
+            nn.init.ones_(m.scale)
+        elif hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+
+    with torch.device("meta"):
+        model = WithRawParameter()
+    shardwise.shard(model, units={nn.Linear}, param_init_fn=init)
+    with shardwise.summon_full_params(model, writeback=False):
+        out["scale"] = model.scale.detach().clone()
+    return out
+
+
+SCENARIOS["meta_parameters"] = _meta_parameters
+
+
 def _materialize_worker(rank, ws):
     return run_scenarios(SCENARIOS, rank, ws)
 
@@ -160,6 +202,13 @@ def test_a_meta_buffer_no_init_writes_is_a_named_error_and_param_init_fn_fills_i
         out = scenario(r, "meta_buffers")
         assert "rotary.inv_freq (Rotary)" in out["default"] and "param_init_fn" in out["default"], out
         assert out["param_init_fn"] == 0.0
+
+
+def test_a_meta_parameter_no_init_writes_is_a_named_error():
+    for r in report():
+        out = scenario(r, "meta_parameters")
+        assert "parameter scale (WithRawParameter)" in out["default"] and "uninitialised memory" in out["default"], out
+        assert torch.equal(out["scale"], torch.ones(5))
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -8,6 +8,8 @@ causes 2 and 3). One spawn per world size runs every scenario (``run_scenarios``
   the ranks agree on refilling them: outputs equal full_shard's.
 * Buffer broadcast does not write a buffer that already holds rank 0's values: two forwards before one
   backward with a buffer saved for backward work as in plain torch.
+* Under native collectives (NCCL's, selectable on gloo) a forward without grad compares the ranks'
+  collectives before returning, and offload_optimizer steps units only after backward's compare.
 * ``copy.deepcopy`` of a sharded model, ``shard()`` of a model with a sharded submodule and a
   ``summon_full_params(writeback=True)`` edit made on one rank only are refused by name.
 """
@@ -198,10 +200,126 @@ def _unfrozen_after_shard_is_saved(rank, world, ckpt_dir):
     return {"restored": torch.equal(fresh_param.detach(), wanted.detach())}
 
 
+def _offload_grad_kept(rank, world):
+    """Under CPU offload a reference to last step's ``p.grad`` keeps its values through the next backward,
+    as in plain torch (one reused host buffer used to be overwritten under it)."""
+    (x, y), (x2, y2) = make_batches(2, VOCAB)
+    torch.manual_seed(0)
+    model = shardwise.shard(GPT(tiny_gpt_config()), units={Block}, offload=shardwise.CPUOffload())
+    opt = _sgd(model.parameters())
+    gpt_loss(model, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
+    kept = [(p.grad, p.grad.clone()) for p in model.parameters() if p.grad is not None]
+    opt.step()
+    opt.zero_grad()
+    gpt_loss(model, local_slice(x2, rank, world), local_slice(y2, rank, world)).backward()
+    assert_engine_clean(model)
+    return {"kept": bool(kept) and all(torch.equal(g, c) for g, c in kept)}
+
+
+def _offload_muon_kwargs(rank, world):
+    """offload_optimizer(model, Muon, use_muon=..., adamw_lr=...) steps each parameter as Muon with the same
+    arguments does on the model without offload (the inner optimizers get the keyword arguments, and their
+    groups take their options by the parameters they hold, not by position)."""
+    from shardwise.optim import Muon
+
+    kwargs = dict(lr=0.02, adamw_lr=3e-3, use_muon=lambda name, info: ".mlp." in name)
+    batches = make_batches(2, VOCAB)
+    params = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = shardwise.shard(GPT(tiny_gpt_config()), units={Block},
+                                offload=shardwise.CPUOffload() if offload else None)
+        opt = shardwise.offload_optimizer(model, Muon, **kwargs) if offload else Muon(model.parameters(), **kwargs)
+        for x, y in batches:
+            gpt_loss(model, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+        params.append([p.detach().clone() for p in model.parameters()])
+    return {"err": max((a - b).abs().max().item() for a, b in zip(*params) if a.numel())}
+
+
+class _Ordered(nn.Module):
+    """Three same-sized units run in the order given: ranks that choose different orders issue same-sized
+    collectives for different units."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x, order=(0, 1, 2)):
+        for i in order:
+            x = torch.tanh(self.blocks[i](x))
+        return x
+
+
+class _NativeCollectives:
+    """SHARDWISE_GLOO_NATIVE_COLLECTIVES=1 for models sharded inside the block: gloo then runs NCCL's
+    collectives (fingerprints compared out of band, as under NCCL)."""
+
+    def __enter__(self):
+        import os
+        from shardwise.engine import collectives
+        self.saved = os.environ.get("SHARDWISE_GLOO_NATIVE_COLLECTIVES")
+        os.environ["SHARDWISE_GLOO_NATIVE_COLLECTIVES"] = "1"
+        collectives._use_all_reduce_cache.clear()
+
+    def __exit__(self, *exc):
+        import os
+        from shardwise.engine import collectives
+        if self.saved is None:
+            os.environ.pop("SHARDWISE_GLOO_NATIVE_COLLECTIVES", None)
+        else:
+            os.environ["SHARDWISE_GLOO_NATIVE_COLLECTIVES"] = self.saved
+        collectives._use_all_reduce_cache.clear()
+
+
+def _native_no_grad_divergence(rank, world):
+    """Under native collectives a forward without grad whose ranks part after its first collective (same
+    sizes, other units) raises on every rank before returning mixed outputs."""
+    with _NativeCollectives():
+        torch.manual_seed(0)
+        model = shardwise.shard(_Ordered(), units={nn.Linear}, prefetch=False)  # the order as called
+        x = torch.randn(4, 8)
+        with torch.no_grad():
+            model(x)  # agreed: same order everywhere
+            try:
+                model(x, order=(0, 1, 2) if rank == 0 else (0, 2, 1))
+                return {"outcome": "returned"}
+            except shardwise.ShardwiseError as e:
+                return {"outcome": str(e)}
+
+
+def _native_offload_steps_after_compare(rank, world):
+    """Under native collectives offload_optimizer steps no unit during backward (its collectives are
+    compared only at backward's end); optimizer.step() steps them, and training equals the run without
+    offload."""
+    (x, y), = make_batches(1, VOCAB)
+    params, moved_in_backward = [], None
+    with _NativeCollectives():
+        for offload in (False, True):
+            torch.manual_seed(0)
+            model = shardwise.shard(GPT(tiny_gpt_config()), units={Block},
+                                    offload=shardwise.CPUOffload() if offload else None)
+            opt = (shardwise.offload_optimizer(model, torch.optim.AdamW, lr=1e-2) if offload
+                   else torch.optim.AdamW(model.parameters(), lr=1e-2))
+            before = [p.detach().clone() for p in model.parameters()]
+            gpt_loss(model, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
+            if offload:
+                moved_in_backward = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+            opt.step()
+            opt.zero_grad()
+            params.append([p.detach().clone() for p in model.parameters()])
+    return {"moved_in_backward": moved_in_backward,
+            "err": max((a - b).abs().max().item() for a, b in zip(*params) if a.numel())}
+
+
 def _scenarios(directory):
     return {"no_sync_dropped": _no_sync_dropped, "kept_copy_writes": _kept_copy_writes,
             "buffer_saved_for_backward": _buffer_saved_for_backward, "refusals": _refusals,
             "load_pretrained_after_forward": lambda r, w: _load_pretrained_after_forward(r, w, directory),
+            "native_no_grad_divergence": _native_no_grad_divergence,
+            "native_offload_steps_after_compare": _native_offload_steps_after_compare,
+            "offload_grad_kept": _offload_grad_kept, "offload_muon_kwargs": _offload_muon_kwargs,
             "unfrozen_after_shard": lambda r, w: _unfrozen_after_shard_is_saved(r, w, directory + "-ckpt")}
 
 
@@ -259,3 +377,25 @@ def test_deepcopy_nested_shard_and_one_rank_writeback_are_refused_by_name(llama_
 def test_a_checkpoint_with_a_frozen_base_saves_parameters_unfrozen_after_shard(llama_dir):
     for rank_report in _report(2, llama_dir):
         assert scenario(rank_report, "unfrozen_after_shard")["restored"]
+
+
+def test_cpu_offload_keeps_a_users_reference_to_last_steps_grad(llama_dir):
+    for rank_report in _report(2, llama_dir):
+        assert scenario(rank_report, "offload_grad_kept")["kept"]
+
+
+def test_offload_optimizer_passes_muons_arguments_and_pairs_groups_by_parameters(llama_dir):
+    for rank_report in _report(2, llama_dir):
+        assert scenario(rank_report, "offload_muon_kwargs")["err"] < 1e-6
+
+
+def test_native_collectives_a_no_grad_forward_that_parts_raises_before_returning(llama_dir):
+    for rank_report in _report(2, llama_dir):
+        outcome = scenario(rank_report, "native_no_grad_divergence")["outcome"]
+        assert outcome != "returned" and "disagree" in outcome, outcome
+
+
+def test_native_collectives_offload_optimizer_steps_only_after_the_compare(llama_dir):
+    for rank_report in _report(2, llama_dir):
+        out = scenario(rank_report, "native_offload_steps_after_compare")
+        assert out["moved_in_backward"] is False and out["err"] < 1e-6, out

@@ -56,6 +56,8 @@ def fill_from_meta(
     if param_init_fn is None and is_hf_model(model):
         param_init_fn = hf_param_init_fn(model, device)
     where = _specs_by_param(groups)
+    # skip_weight_init leaves parameters to load_pretrained, which writes every one of them.
+    check_params = not getattr(param_init_fn, "leaves_parameters_unwritten", False)
     done: set[int] = set()
     uninitialised: list[str] = []
     for mod_name, module in model.named_modules():
@@ -79,7 +81,10 @@ def fill_from_meta(
         originals = dict(direct)
         # Fresh full tensors for *every* direct parameter, tied ones included: eager construction
         # consumed RNG for them too, so skipping them would shift every later module's values.
-        temps = {n: nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad) for n, p in direct}
+        # Filled with NaN first: a parameter no init writes (wholly or in part) is found below by its NaNs,
+        # which survive any write path (``p.data`` too), instead of training from uninitialised memory.
+        temps = {n: nn.Parameter(_unwritten_like(p, device, check_params), requires_grad=p.requires_grad)
+                 for n, p in direct}
         for n, t in temps.items():
             module._parameters[n] = t
         try:
@@ -95,7 +100,11 @@ def fill_from_meta(
             for n, p in originals.items():
                 if id(p) in where and id(p) not in done:
                     g, i = where[id(p)]
-                    copy_slice_into_shard(g, i, module._parameters[n])
+                    value = module._parameters[n]
+                    if check_params and value.is_floating_point() and bool(torch.isnan(value).any()):
+                        uninitialised.append(f"parameter {mod_name + '.' if mod_name else ''}{n} "
+                                             f"({type(module).__name__})")
+                    copy_slice_into_shard(g, i, value)
                     done.add(id(p))
         finally:
             for n, p in originals.items():
@@ -103,16 +112,24 @@ def fill_from_meta(
         uninitialised += _still_unwritten(module, mod_name, placeholders)
     if uninitialised:
         raise ShardwiseError(
-            f"buffer(s) {', '.join(uninitialised[:8])}{' ...' if len(uninitialised) > 8 else ''} were built on the "
-            f"meta device and nothing initialised them (no reset_parameters(), and param_init_fn did not write "
-            f"them); pass shard(param_init_fn=...) that fills them, or build the model with real buffers "
-            f"(only parameters need the meta device), or sync_module_states=True with rank 0 built for real")
+            f"{', '.join(uninitialised[:8])}{' ...' if len(uninitialised) > 8 else ''}: built on the meta device "
+            f"and nothing initialised them (no reset_parameters(), and param_init_fn did not write them, or not "
+            f"all of them): they would hold uninitialised memory, different on every rank. Pass "
+            f"shard(param_init_fn=...) that fills them, or build the model with real buffers (only parameters "
+            f"need the meta device), or sync_module_states=True with rank 0 built for real")
+
+
+def _unwritten_like(p: torch.Tensor, device: torch.device, mark: bool) -> torch.Tensor:
+    """A full tensor for ``p`` to be initialised: NaN where that can mark what no init writes."""
+    if mark and p.is_floating_point():
+        return torch.full_like(p, float("nan"), device=device)
+    return torch.empty_like(p, device=device)
 
 
 def _still_unwritten(module: nn.Module, mod_name: str, placeholders: dict) -> list[str]:
     """Names of the buffers allocated for ``module`` that no init wrote (same tensor, same version)."""
     prefix = f"{mod_name}." if mod_name else ""
-    return [f"{prefix}{n} ({type(module).__name__})" for n, (t, version) in placeholders.items()
+    return [f"buffer {prefix}{n} ({type(module).__name__})" for n, (t, version) in placeholders.items()
             if module._buffers.get(n) is t and version_counter(t) == version]
 
 

@@ -110,7 +110,9 @@ class OffloadTransfers:
     def _host_buffer(self, group, kind: str) -> torch.Tensor:
         key = (group, kind)
         buf = self.host_buffers.get(key)
-        if buf is None or buf.dtype != group.plan.dtype:  # (re)made after a dtype conversion of the model
+        # A view of last step's gradient buffer that the user still holds (``g = p.grad`` before
+        # ``zero_grad()``) keeps its values, as in plain torch: the next gradient lands in a new buffer.
+        if buf is None or buf.dtype != group.plan.dtype or (kind == "grad" and _viewed_elsewhere(buf)):
             buf = self.offload.allocate(group.plan.shard_numel, group.plan.dtype, self.device)
             self.host_buffers[key] = buf
             self.allocations += 1
@@ -229,3 +231,10 @@ class OffloadTransfers:
         if len(self._ahead) > self.window:
             problems.append(f"{len(self._ahead)} shard copies made ahead (at most {self.window})")
         return problems
+
+
+def _viewed_elsewhere(buffer: torch.Tensor) -> bool:
+    """Whether any tensor other than ``buffer`` itself still views its storage. Private API, kept to this
+    function: ``torch._C._storage_Use_Count`` (checked on torch 2.13 and 2.11) counts the tensors sharing a
+    storage, plus one for the ``untyped_storage()`` object made to ask."""
+    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) > 2

@@ -103,6 +103,10 @@ class ModelRuntime:
             for u in self.units:  # a prefetched unit that did not run must not stay gathered
                 if not u.frames:
                     u.reshard()
+            if self.checker is not None:
+                # No backward follows (eval, generate): under native collectives this forward's out-of-band
+                # fingerprints are compared now, before its outputs reach the caller (free in band).
+                self.checker.agree("the consistency exchange at the end of a forward without grad")
 
     def abandon_forward(self) -> None:
         """The top-level forward raised: its graph is gone, so no backward will come for what it ran."""

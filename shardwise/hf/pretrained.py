@@ -296,4 +296,5 @@ def skip_weight_init(model: nn.Module) -> Callable[[nn.Module], None]:
         elif hasattr(module, "reset_parameters"):
             module.reset_parameters()
 
+    init.leaves_parameters_unwritten = True  # shard()'s meta init does not refuse the parameters it skips
     return init

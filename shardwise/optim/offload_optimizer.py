@@ -86,16 +86,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 by_group.setdefault(g, []).append(p)
             for g, ps in by_group.items():
                 members.setdefault(g, []).append((j, ps))
-        # One optimizer per flat group, in model order; ``_option_source[g][i]`` is the index of our param
-        # group whose hyperparameters its param group i takes.
+        # One optimizer per flat group, in model order, built with the same keyword arguments as the template
+        # (an optimizer that routes parameters by them, like Muon's use_muon, routes them alike);
+        # ``_option_source[g][i]`` is the index of our param group whose hyperparameters its param group i
+        # takes, found by the parameters it holds (an optimizer may split or reorder the groups it is given).
         self._inner: dict = {}
         self._option_source: dict = {}
+        source = {id(p): j for j, pg in enumerate(self.param_groups) for p in pg["params"]}
         for g in self._model_groups:
             if g not in members:
                 continue
             groups = [{**_options(self.param_groups[j]), "params": ps} for j, ps in members[g]]
-            self._inner[g] = optimizer_cls(groups)
-            self._option_source[g] = [j for j, _ in members[g]]
+            self._inner[g] = optimizer_cls(groups, **defaults)
+            self._option_source[g] = [source[id(ig["params"][0])] for ig in self._inner[g].param_groups]
         self._stepped: set = set()  # groups stepped since the last step() (during backward)
         self._norm_terms: dict = {}  # group -> its part of the global norm, from its last landing
         self._wire()
@@ -124,9 +127,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return
         if self.max_grad_norm is not None:
             self._norm_terms[group] = grad_norm_terms(group_grads(group), self.norm_type)
-        elif self.steps_in_backward and group in self._inner:
+        elif self.steps_in_backward and group in self._inner and self._all_collectives_confirmed():
             self._step_group(group)
             self._stepped.add(group)
+        # otherwise optimizer.step() steps it, after backward's end compared every rank's collectives
+
+    def _all_collectives_confirmed(self) -> bool:
+        """Whether every collective so far was checked against the other ranks: in band (gloo), or compared
+        out of band already. Under native collectives (NCCL) the fingerprints of this backward are compared
+        only at its end, so a unit stepped before that could move its weights on a divergence."""
+        checker = self._runtime.checker
+        return checker is None or not checker.log
 
     def _step_group(self, group) -> None:
         inner = self._inner[group]
