@@ -12,6 +12,7 @@ default) its buffer has N * SLOT more elements after the data. One spawn at worl
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -69,10 +70,12 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _one_step(strategy: str, mixed_precision=None, checks: bool = True):
     def run(rank, ws):
-        import os
-
         os.environ["SHARDWISE_CHECK_COLLECTIVES"] = "1" if checks else "0"  # read by shard()
-        model = shardwise.shard(_model(), units={ProbeLinear}, strategy=strategy, mixed_precision=mixed_precision)
+        try:
+            model = shardwise.shard(_model(), units={ProbeLinear}, strategy=strategy,
+                                    mixed_precision=mixed_precision)
+        finally:
+            del os.environ["SHARDWISE_CHECK_COLLECTIVES"]
         groups = list(runtime_of(model).flat_groups())
         out = {"shard": [(g.shard.numel(), str(g.shard.dtype)) for g in groups],
                "gathered_numel": [g.gathered.numel() for g in groups],
@@ -90,7 +93,6 @@ def _one_step(strategy: str, mixed_precision=None, checks: bool = True):
         out["collectives"] = sorted(rec.seen)
         torch.optim.SGD(model.parameters(), lr=0.1).step()
         out["after_step"] = [_nbytes(g.gathered) for g in groups]
-        os.environ.pop("SHARDWISE_CHECK_COLLECTIVES")
         return out
 
     return run
