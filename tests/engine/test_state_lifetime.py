@@ -10,6 +10,7 @@ causes 2 and 3). One spawn per world size runs every scenario (``run_scenarios``
   backward with a buffer saved for backward work as in plain torch.
 * Under native collectives (NCCL's, selectable on gloo) a forward without grad compares the ranks'
   collectives before returning, and offload_optimizer steps units only after backward's compare.
+* BatchNorm trains with each rank's own batch statistics, as under DDP (compared with torch DDP).
 * ``copy.deepcopy`` of a sharded model, ``shard()`` of a model with a sharded submodule and a
   ``summon_full_params(writeback=True)`` edit made on one rank only are refused by name.
 """
@@ -222,7 +223,7 @@ def _offload_muon_kwargs(rank, world):
     groups take their options by the parameters they hold, not by position)."""
     from shardwise.optim import Muon
 
-    kwargs = dict(lr=0.02, adamw_lr=3e-3, use_muon=lambda name, info: ".mlp." in name)
+    kwargs = dict(lr=0.02, adamw_lr=3e-3, use_muon=lambda name, info: ".mlp." in name and len(info.shape) == 2)
     batches = make_batches(2, VOCAB)
     params = []
     for offload in (False, True):
@@ -313,13 +314,43 @@ def _native_offload_steps_after_compare(rank, world):
             "err": max((a - b).abs().max().item() for a, b in zip(*params) if a.numel())}
 
 
+def _batchnorm_is_ddp(rank, world):
+    """BatchNorm trains with each rank's own batch statistics, as DDP does (the README's parity claim names
+    this exception): after a step, parameters and running statistics equal torch DDP's on the same data."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    class WithNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(6, 6), nn.Linear(6, 3)])
+            self.norm = nn.BatchNorm1d(6)
+
+        def forward(self, x):
+            return self.blocks[1](torch.relu(self.norm(self.blocks[0](x))))
+
+    torch.manual_seed(0)
+    base = WithNorm()
+    ddp = DDP(copy.deepcopy(base))
+    model = shardwise.shard(copy.deepcopy(base), units={nn.Linear})
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
+    mine = local_slice(x, rank, world)
+    for net in (ddp, model):
+        opt = _sgd(net.parameters())
+        net(mine).square().mean().backward()
+        opt.step()
+    with shardwise.summon_full_params(model, writeback=False):
+        ours = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    theirs = ddp.module.state_dict()
+    return {"err": max((ours[k].double() - theirs[k].double()).abs().max().item() for k in theirs)}
+
+
 def _scenarios(directory):
     return {"no_sync_dropped": _no_sync_dropped, "kept_copy_writes": _kept_copy_writes,
             "buffer_saved_for_backward": _buffer_saved_for_backward, "refusals": _refusals,
             "load_pretrained_after_forward": lambda r, w: _load_pretrained_after_forward(r, w, directory),
             "native_no_grad_divergence": _native_no_grad_divergence,
             "native_offload_steps_after_compare": _native_offload_steps_after_compare,
-            "offload_grad_kept": _offload_grad_kept, "offload_muon_kwargs": _offload_muon_kwargs,
+            "offload_grad_kept": _offload_grad_kept, "batchnorm_is_ddp": _batchnorm_is_ddp, "offload_muon_kwargs": _offload_muon_kwargs,
             "unfrozen_after_shard": lambda r, w: _unfrozen_after_shard_is_saved(r, w, directory + "-ckpt")}
 
 
@@ -399,3 +430,8 @@ def test_native_collectives_offload_optimizer_steps_only_after_the_compare(llama
     for rank_report in _report(2, llama_dir):
         out = scenario(rank_report, "native_offload_steps_after_compare")
         assert out["moved_in_backward"] is False and out["err"] < 1e-6, out
+
+
+def test_batchnorm_trains_with_per_rank_batch_statistics_as_ddp_does(llama_dir):
+    for rank_report in _report(2, llama_dir):
+        assert scenario(rank_report, "batchnorm_is_ddp")["err"] < 1e-6
