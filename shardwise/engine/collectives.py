@@ -54,7 +54,7 @@ _use_all_reduce_cache: dict = {}
 # collectives are launched without the backward's stash (``_without_python_tls``), and the handles of the
 # last ``RETAIN`` works stay referenced here, for ever once the interpreter exits (``_keep_at_exit``), so a
 # worker that is still finishing one at exit never holds the last reference to anything.
-RETAIN = 8
+RETAIN = 4  # a few: each keeps its tensors referenced (scratch buffers free their memory themselves)
 _retained: "collections.deque" = collections.deque(maxlen=RETAIN)
 _keep_registered = False
 
