@@ -166,6 +166,15 @@ def test_without_sharding_the_gathered_buffer_is_the_shard():
     assert r["in_forward"] == [(b, "torch.float32") for b in full]
 
 
+def _kept_copy_agreement(strategy: str) -> set:
+    """ZeRO-1/2 add, at every top-level forward, the model-wide agreement on whether a kept copy is stale
+    (runtime.py, [Note: one path decides the shards were written]): one flag per kept group, all-reduced,
+    after the fingerprint exchange that checks it (3 int64 per rank)."""
+    if strategy not in ("shard_optim_grad", "shard_optim"):
+        return set()
+    return {("all_gather_into", 2 * 3, "torch.int64"), ("all_reduce_sum", len(GROUP_NUMELS), "torch.float32")}
+
+
 @pytest.mark.parametrize("strategy,grad_numel,collectives", [
     # .grad views: the reduce-scatter's output (S), or the whole all-reduced gradient with its header room
     ("full_shard", "shard", {"all_gather_into", "reduce_scatter_into"}),
@@ -184,7 +193,7 @@ def test_gradient_buffers_per_strategy(strategy, grad_numel, collectives):
         numel = _padded(n, 2) // 2 if grad_numel == "shard" else _padded(n, ranks) + room
         assert grads == [(numel * 4, "torch.float32")], (n, grads)
     expected = {(op, _padded(n, ranks) + room, "torch.float32") for n in GROUP_NUMELS for op in collectives}
-    assert set(map(tuple, r["collectives"])) == expected
+    assert set(map(tuple, r["collectives"])) == expected | _kept_copy_agreement(strategy)
 
 
 def test_mixed_precision_gathers_in_the_compute_dtype_and_reduces_in_the_reduce_dtype():
@@ -199,7 +208,8 @@ def test_mixed_precision_gathers_in_the_compute_dtype_and_reduces_in_the_reduce_
         assert r["in_forward"] == [((_padded(n, 2) + room) * 2, "torch.bfloat16") for n in GROUP_NUMELS]
         assert set(map(tuple, r["collectives"])) == (
             {("all_gather_into", _padded(n, 2) + room, "torch.bfloat16") for n in GROUP_NUMELS}
-            | {("reduce_scatter_into", _padded(n, 2) + room, reduce_dtype) for n in GROUP_NUMELS})
+            | {("reduce_scatter_into", _padded(n, 2) + room, reduce_dtype) for n in GROUP_NUMELS}
+            | _kept_copy_agreement("shard_optim_grad" if r is z2 else "full_shard"))
         assert r["grad"] == [[(_padded(n, 2) // 2 * 4, "torch.float32")] for n in GROUP_NUMELS]
     assert fs["after_backward"] == [0, 0]
     assert z2["after_backward"] == [(_padded(n, 2) + room) * 2 for n in GROUP_NUMELS]
