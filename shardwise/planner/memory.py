@@ -138,11 +138,11 @@ def build_meta_model(inputs: PlanInputs):
         if master != torch.float32:
             model = model.to(master)
         if inputs.lora_r:
-            from shardwise.hf.lora import LoraSettings, apply_lora
-
             if spec.kind != "hf":
                 raise ValueError(f"--lora-r needs a Hugging Face model (peft wraps its modules); {spec.name} is a "
                                  f"shardwise GPT preset")
+            from shardwise.hf.lora import LoraSettings, apply_lora
+
             model = apply_lora(model, LoraSettings(r=inputs.lora_r, target_modules=inputs.lora_target_modules,
                                                    base_dtype=frozen_base_dtype(inputs)))
         units = spec.units(model, inputs.auto_wrap, list(inputs.transformer_layer_cls_to_wrap))
@@ -191,8 +191,10 @@ class _Buffers:
     gathered: int
     root: int
     kept: int  # gathered bytes kept through the optimizer step (ZeRO-1/2)
-    block_reduce: int  # the largest block's gradient reduction (+ gloo scratch)
-    root_reduce: int  # the root's, at the end of backward
+    block_reduce: int  # the widest block's unsharded gradients + its gradient flat (+ gloo scratch)
+    pending_flats: int  # the blocks' gradient flats still in flight beside it (bytes)
+    pending_count: int  # ... and how many
+    root_reduce: int  # the root's reduction at the end of backward, the blocks' flats in flight included
     largest_trainable_shard: int
 
 
@@ -228,8 +230,10 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
     # shard group the flat *is* the gradient shard (the engine hands out views of it), counted with the shards.
     alive = ModelRuntime.MAX_GRAD_FLATS_ALIVE if shard_size > 1 else 0
 
+    pending = max(0, alive - 1)
+
     def reduce_bytes(unit: _UnitBytes) -> int:
-        return unit.grads + (unit.grad_flat + (alive - 1) * widest.grad_flat if alive else 0)
+        return unit.grads + (unit.grad_flat if alive else 0) + pending * widest.grad_flat
 
     # gloo (CPU) stages every all-gather / reduce-scatter through a temporary buffer the size of the full
     # flat buffer (measured: +32 MiB for a 32 MiB reduce-scatter at 2 and 4 ranks); its worker runs one
@@ -241,7 +245,9 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
     prof = _activations(inputs, cache, spec, model, plan, policy)
     buffers = _Buffers(param_shard, grad_shard, optim_shard, gathered, root.gathered,
                        kept=gathered if strategy.keeps_params_gathered else 0,
-                       block_reduce=reduce_bytes(widest) + scratch_for(largest, widest.grad_flat),
+                       block_reduce=reduce_bytes(widest) - pending * widest.grad_flat
+                       + scratch_for(largest, widest.grad_flat),
+                       pending_flats=pending * widest.grad_flat, pending_count=pending,
                        root_reduce=reduce_bytes(root) + scratch_for(root.gathered, root.grad_flat),
                        largest_trainable_shard=max((_stored_bytes(g, g.shard_numel) for g in plan.groups()
                                                     if g.requires_grad), default=0))
@@ -286,14 +292,16 @@ def _peaks(inputs: PlanInputs, b: _Buffers, activations: int, prof: ActivationPr
     [Note: three peaks] (1) Early in backward: every activation is still saved, the optimizer state
     exists (from the previous step) but gradients were freed by zero_grad(set_to_none=True) and come back
     only as activations go. A block's gradient-reduction buffers appear once that block's activations are
-    freed, so only what exceeds them adds up. (2) The end of backward: the root unit (embeddings, head)
+    freed, so only what exceeds them adds up; so do the flats still in flight, each of a block whose
+    activations are gone. (2) The end of backward: the root unit (embeddings, head)
     reduces last, when activations are gone and nearly every gradient shard exists. (3) The optimizer
     step: shards, gradients, AdamW state and the step's temporaries."""
     offload = inputs.cpu_offload
     device_shards = 0 if offload else b.param_shard + b.optim_shard
     device_grads = 0 if offload else b.grad_shard
     unit_saved = max(prof.unit_saved, default=0) if not inputs.activation_checkpointing else 0
-    early = device_shards + b.gathered + activations + max(0, b.block_reduce - unit_saved)
+    early = (device_shards + b.gathered + activations + max(0, b.block_reduce - unit_saved)
+             + max(0, b.pending_flats - b.pending_count * unit_saved))
     end = device_shards + device_grads + (b.kept or b.root) + b.root_reduce
     # AdamW's temporaries: on CUDA the foreach path allocates a denominator for the whole parameter group;
     # on CPU the per-tensor path allocates one for one (the largest) shard at a time.
