@@ -121,7 +121,8 @@ class FlatGroup:
 
         # With one rank per shard group, no cast and no offload, the "gathered" buffer *is* the shard:
         # nothing to communicate and nothing to free (no_shard / DDP).
-        self.aliases_shard = gathered_aliases_shard(self.pgs.shard_size, dtype, self.param_dtype, self.offload is not None)
+        self.aliases_shard = gathered_aliases_shard(self.pgs.shard_size, dtype, self.param_dtype,
+                                                    offloaded=self.offload is not None)
         if self.aliases_shard:
             self.gathered = self.shard
             self.state = GatherState.GATHERED

@@ -73,7 +73,8 @@ def resolve_planned_model(name: str) -> ModelSpec:
 def check_args(args: argparse.Namespace, max_seq_len: int) -> None:
     """Numbers ``estimate-memory`` would otherwise plan with silently (or fail on deep inside)."""
     for option, value, hi in (("--world-size", args.world_size, 2**24), ("--batch-size", args.batch_size, 2**20),
-                              ("--seq-len", args.seq_len, max_seq_len), ("--ranks-per-node", args.ranks_per_node, 2**16)):
+                              ("--seq-len", args.seq_len, max_seq_len),
+                              ("--ranks-per-node", args.ranks_per_node, 2**16)):
         if not 1 <= value <= hi:
             raise UsageError(f"{option} {value}: must be between 1 and {hi}")
     if args.lora_r < 0:
