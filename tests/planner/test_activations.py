@@ -5,9 +5,11 @@ needs are gone once it returns."""
 import sys
 import warnings
 
+import pytest
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hf_dirs import tiny_config
 from shardwise.hf.model_spec import resolve_model
 from shardwise.planner.activations import measure_activations
 from shardwise.planner.memory import PlanInputs, plan_memory
@@ -20,11 +22,14 @@ def test_activation_checkpointing_cuts_planned_activations():
     assert ckpt.activation_bytes < 0.6 * plain.activation_bytes
 
 
-def test_the_patches_and_warning_filters_last_only_for_the_measurement():
+def test_the_patches_and_warning_filters_last_only_for_the_measurement(tmp_path):
+    pytest.importorskip("transformers")
+    tiny_config("qwen2", 320).save_pretrained(tmp_path)
     sdpa, filters = F.scaled_dot_product_attention, list(warnings.filters)
     masking = sys.modules.get("transformers.masking_utils")
     is_tracing = getattr(masking, "is_tracing", None)
-    plan_memory(PlanInputs("qwen2.5-0.5b", 1, batch_size=1, seq_len=16))  # a Hugging Face forward on meta
+    plan = plan_memory(PlanInputs(str(tmp_path / "config.json"), 1, batch_size=1, seq_len=16))  # HF forward on meta
+    assert plan.activation_method.startswith("measured")
     assert F.scaled_dot_product_attention is sdpa
     assert warnings.filters == filters
     masking = sys.modules.get("transformers.masking_utils")
