@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -102,6 +103,8 @@ def main() -> int:
     script.write_text(JOB)
     counts = {"destroy": [0, 0], "no_destroy": [0, 0]}  # kind -> [runs, failures]
     t0 = time.monotonic()
+    # Stopped early (SIGTERM, Ctrl-C): the counts so far are still printed.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         for i in range(args.runs):
             for kind in counts:
@@ -114,9 +117,11 @@ def main() -> int:
                     if args.log:
                         with args.log.open("a") as f:
                             f.write(f"=== run {i} {kind}\n{detail}\n")
-            if (i + 1) % 25 == 0:
+            if (i + 1) % 10 == 0:
                 print(f"{i + 1} of each kind, {time.monotonic() - t0:.0f} s: " + ", ".join(
                     f"{k} {f} failed of {n}" for k, (n, f) in counts.items()), flush=True)
+    except KeyboardInterrupt:
+        print("stopped early", flush=True)
     finally:
         script.unlink(missing_ok=True)
     print("result: " + ", ".join(f"{k} {f} failed of {n}" for k, (n, f) in counts.items())
