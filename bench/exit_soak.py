@@ -91,6 +91,10 @@ def one_run(script: Path, kind: str, strategy: str, world_size: int, timeout_s: 
     return not bad, (f"exit codes {codes}: " + out[-2000:]) if bad else ""
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=200, help="runs of each kind (destroy, no destroy)")
@@ -104,7 +108,7 @@ def main() -> int:
     counts = {"destroy": [0, 0], "no_destroy": [0, 0]}  # kind -> [runs, failures]
     t0 = time.monotonic()
     # Stopped early (SIGTERM, Ctrl-C): the counts so far are still printed.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         for i in range(args.runs):
             for kind in counts:
