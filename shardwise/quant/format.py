@@ -204,3 +204,77 @@ def quantize_4bit(w: torch.Tensor, quant_type: str = "nf4", double_quant: bool =
         q.absmax, q.nested_absmax = quantize_absmax(absmax, q.offset)
         q.nested_quant_map = dynamic_map()
     return q
+
+
+# ---- the byte layout a sharded module stores ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout4bit:
+    """What a quantised weight's stored bytes mean (replicated metadata; the bytes themselves are sharded).
+    Every tensor is kept as uint8 so that no float cast can ever reach it: ``packed`` (the nibbles),
+    ``absmax`` (uint8 codes with double quantisation, else the fp32 scales' bytes), ``nested_absmax`` (fp32
+    bytes) and ``offset`` (4 fp32 bytes); the last two are empty without double quantisation."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # the original weight's dtype (bitsandbytes' quant_state "dtype")
+    quant_type: str = "nf4"
+    double_quant: bool = True
+    blocksize: int = BLOCKSIZE
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+    @property
+    def blocks(self) -> int:
+        return num_blocks(self.numel, self.blocksize)
+
+    def nbytes(self) -> dict[str, int]:
+        """Byte count of each stored tensor, by parameter name."""
+        if not self.double_quant:
+            return {"weight": -(-self.numel // 2), "absmax": 4 * self.blocks, "nested_absmax": 0, "offset": 0}
+        return {"weight": -(-self.numel // 2), "absmax": self.blocks,
+                "nested_absmax": 4 * num_blocks(self.blocks, NESTED_BLOCKSIZE), "offset": 4}
+
+    def to_bytes(self, q: Quantized4bit) -> dict[str, torch.Tensor]:
+        """The stored uint8 tensors of a quantised weight (checked against this layout)."""
+        if (tuple(q.shape), q.quant_type, q.double_quant, q.blocksize) != \
+                (self.shape, self.quant_type, self.double_quant, self.blocksize):
+            raise ShardwiseError(f"quantised weight {list(q.shape)} {q.quant_type} double_quant={q.double_quant} "
+                                 f"does not fit layout {list(self.shape)} {self.quant_type} "
+                                 f"double_quant={self.double_quant}")
+        out = {"weight": q.packed, "absmax": _as_bytes(q.absmax)}
+        out["nested_absmax"] = _as_bytes(q.nested_absmax) if q.double_quant else torch.empty(0, dtype=torch.uint8)
+        out["offset"] = _as_bytes(q.offset.reshape(1)) if q.double_quant else torch.empty(0, dtype=torch.uint8)
+        return out
+
+    def absmax_fp32(self, absmax: torch.Tensor, nested_absmax: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        if not self.double_quant:
+            return _fp32(absmax)
+        return dequantize_absmax(absmax, _fp32(nested_absmax), _fp32(offset), dynamic_map().to(absmax.device))
+
+    def dequantize(self, stored: dict[str, torch.Tensor], dtype: torch.dtype,
+                   chunk: int = 1 << 22) -> torch.Tensor:
+        """The weight in ``dtype`` from its stored bytes: fp32 ``code * absmax`` rounded to nearest even, the
+        same bits as bitsandbytes' ``dequantize_4bit``. Works ``chunk`` elements at a time, so the fp32
+        transients stay small next to the result even for a 28,672 x 8,192 matrix."""
+        absmax = self.absmax_fp32(stored["absmax"], stored["nested_absmax"], stored["offset"])
+        table = decode_table(self.quant_type).to(absmax.device)
+        out = torch.empty(self.numel, dtype=dtype, device=stored["weight"].device)
+        step = max(self.blocksize, chunk - chunk % self.blocksize)
+        for lo in range(0, self.numel, step):
+            hi = min(lo + step, self.numel)
+            packed = stored["weight"][lo // 2: -(-hi // 2)]
+            out[lo:hi] = dequantize_blocks(packed, absmax[lo // self.blocksize:], table, hi - lo, self.blocksize)
+        return out.view(self.shape)
+
+
+def _fp32(stored: torch.Tensor) -> torch.Tensor:
+    """fp32 values from stored bytes. A copy: a parameter's bytes inside a gathered flat buffer can start at
+    any byte offset, and a float view needs 4-byte alignment (the scales are 1/64 of the weight or less)."""
+    return stored.clone().view(torch.float32)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
