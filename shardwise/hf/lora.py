@@ -15,6 +15,7 @@ the wrapped model starts out equal to its base) on top of the model's init.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.errors import ShardwiseError
+from shardwise.hf.quantization import has_quantised, register_with_peft
 
 ADAPTER_NAME = "default"  # peft's name for the one adapter get_peft_model adds
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the file names PeftModel.from_pretrained looks for
@@ -57,8 +59,14 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     config = settings.peft_config()
     from peft import get_peft_model
 
+    quantised = has_quantised(model)
+    if quantised:  # a 4-bit base: peft wraps QuantLinear through its custom-module hook
+        register_with_peft(config)
     try:
-        peft_model = get_peft_model(model, config)
+        with warnings.catch_warnings():
+            if quantised:
+                warnings.filterwarnings("ignore", message="Unsupported layer type")
+            peft_model = get_peft_model(model, config)
     except ValueError as e:  # peft's "Target modules {...} not found in the base model"
         raise ShardwiseError(f"lora target_modules {','.join(settings.target_modules) or '(peft default)'}: "
                              f"{str(e).splitlines()[0]}") from None

@@ -48,6 +48,9 @@ from shardwise.engine.runtime import STATE_ATTR
 from shardwise.engine import agree
 from shardwise.errors import ShardwiseError
 from shardwise.engine.hf_init import hf_param_init_fn, is_hf_model
+from shardwise.hf.quantized_load import (QuantTarget, gather_absmax, load_prequantised, local_absmax,
+                                         match_quantised, quant_targets, quantise_pieces)
+from shardwise.hf.quantization import QuantSettings, check_quantised_model
 from shardwise.hf.weight_files import PretrainedWeights
 
 Rename = Callable[[str], str | None]
@@ -64,7 +67,8 @@ class Target:
     key: str | None = None  # the file tensor it is read from, once matched
 
 
-def load_pretrained(model: nn.Module, directory: os.PathLike | str, *, rename: Rename | None = None) -> nn.Module:
+def load_pretrained(model: nn.Module, directory: os.PathLike | str, *, rename: Rename | None = None,
+                    quantization: "QuantSettings | None" = None) -> nn.Module:
     """Fill a ``shardwise.shard()``-ed model with the weights of Hugging Face model directory ``directory``
     (``model.safetensors``, or ``model-*.safetensors`` with ``model.safetensors.index.json``). Collective:
     call it on every rank, right after ``shard()`` and before training. Returns ``model``.
@@ -78,7 +82,13 @@ def load_pretrained(model: nn.Module, directory: os.PathLike | str, *, rename: R
     if runtime is None or getattr(runtime, "plan", None) is None:
         raise ShardwiseError(f"load_pretrained: {type(model).__name__} is not sharded; call shardwise.shard(model, "
                              f"param_init_fn=shardwise.skip_weight_init(model)) on the meta-built model first")
-    unexpected = agree.agreed(lambda: _load(model, runtime, directory, rename), f"loading weights from {directory}")
+    if quantization is not None:
+        check_quantised_model(model, quantization)
+    what = f"loading weights from {directory}"
+    unexpected, to_quantise = agree.agreed(lambda: _load(model, runtime, directory, rename), what)
+    if to_quantise:  # 4-bit weights stored in high precision: see quantized_load.py
+        gather_absmax(to_quantise)
+        agree.agreed(lambda: _quantise_on_load(directory, to_quantise), what)
     if unexpected and agree.rank() == 0:
         warnings.warn(f"{directory}: {len(unexpected)} tensor(s) in the files are not used by "
                       f"{type(model).__name__}: {', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}",
@@ -86,27 +96,43 @@ def load_pretrained(model: nn.Module, directory: os.PathLike | str, *, rename: R
     return model
 
 
-def _load(model: nn.Module, runtime, directory, rename: Rename | None) -> list[str]:
-    params = [Target([r.fqn for r in spec.refs], tuple(spec.shape), spec.dtype, False)
-              for spec in runtime.plan.params()]
+def _load(model: nn.Module, runtime, directory, rename: Rename | None) -> tuple[list[str], list[QuantTarget]]:
+    """Read every piece this rank owns; returns the unused file tensors and the 4-bit weights that still
+    have to be quantised (after their absmax vectors are gathered)."""
+    hf, prefix = _hf_model(model)
+    quantised, covered = quant_targets(runtime, prefix, rename)
+    specs = [spec for spec in runtime.plan.params() if id(spec) not in covered]
+    params = [Target([r.fqn for r in spec.refs], tuple(spec.shape), spec.dtype, False) for spec in specs]
     targets = params + persistent_buffers(model)
     with PretrainedWeights(directory) as weights:
         unexpected = match(model, targets, weights, rename)
-        specs = list(runtime.plan.params())
+        if quantised:
+            used = match_quantised(quantised, weights, _hf_key_mapping(hf, {t.name + ".weight" for t in quantised})[0])
+            unexpected = [k for k in unexpected if k not in used]
         by_spec = {id(spec): t for spec, t in zip(specs, params)}
         with torch.no_grad():
             for unit in runtime.units:
                 for group in unit.flat_groups:
                     for spec, (lo, hi, at) in zip(group.plan.params, group.local_slices):
-                        target = by_spec[id(spec)]
-                        if target.key is None or hi <= lo:
+                        target = by_spec.get(id(spec))
+                        if target is None or target.key is None or hi <= lo:
                             continue
                         _read_piece(weights, target, lo, group.shard.narrow(0, at, hi - lo))
             for target in targets[len(params):]:
                 if target.key is not None:
                     buf = model.get_buffer(target.names[0])
                     buf.copy_(weights.read(target.key).reshape(buf.shape))
-    return unexpected
+            to_quantise = [t for t in quantised if not t.prequantised]
+            for t in quantised:
+                load_prequantised(weights, t) if t.prequantised else local_absmax(weights, t)
+    return unexpected, to_quantise
+
+
+@torch.no_grad()
+def _quantise_on_load(directory, targets: list[QuantTarget]) -> None:
+    with PretrainedWeights(directory) as weights:
+        for t in targets:
+            quantise_pieces(weights, t)
 
 
 def _read_piece(weights: PretrainedWeights, target: Target, lo: int, dst: torch.Tensor) -> None:

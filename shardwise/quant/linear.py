@@ -66,9 +66,12 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, quant_type: str = "nf4", double_quant: bool = True,
                     name: str = "linear") -> "QuantLinear":
-        """Quantise ``linear.weight`` (on CPU); the bias is kept as is."""
+        """Quantise ``linear.weight`` (on CPU); the bias is kept as is. A meta Linear gives a meta QuantLinear
+        (nothing to quantise yet: loading fills it)."""
         q = cls(linear.in_features, linear.out_features, linear.bias is not None, quant_type=quant_type,
-                double_quant=double_quant, dtype=linear.weight.dtype)
+                double_quant=double_quant, dtype=linear.weight.dtype, device=linear.weight.device)
+        if linear.weight.is_meta:
+            return q
         q.load_quantized(quantize_4bit(linear.weight.detach(), quant_type, double_quant, name=f"{name}.weight"))
         if linear.bias is not None:
             q.bias.data.copy_(linear.bias.detach())
@@ -96,7 +99,7 @@ class QuantLinear(nn.Module):
 def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",), quant_type: str = "nf4",
                      double_quant: bool = True) -> list[str]:
     """Replace every ``nn.Linear`` in ``model`` whose name's last part is not in ``skip`` with its
-    ``QuantLinear`` (weights quantised on CPU). Returns the replaced names."""
+    ``QuantLinear`` (weights quantised on CPU; a meta model stays on meta). Returns the replaced names."""
     replaced = []
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
