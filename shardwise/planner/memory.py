@@ -75,6 +75,9 @@ class PlanInputs:
     lora_r: int = 0  # > 0: peft LoRA adapters of this rank, the base frozen (no gradients, no optimizer state)
     lora_target_modules: tuple[str, ...] = ()  # () -> peft's default for the architecture
     lora_base_dtype: str = ""  # the frozen base's dtype (fp32/bf16); "" -> the master dtype
+    load_in_4bit: bool = False  # QLoRA: the Linears' weights in bitsandbytes' 4-bit format (planner/quantized.py)
+    bnb_4bit_quant_type: str = "nf4"
+    double_quant: bool = True
 
 
 @dataclass
@@ -114,6 +117,8 @@ class MemoryPlan:
     min_world_size: Optional[int] = None  # the fewest ranks at which this configuration fits (None: none does)
     offload_device_bytes: Optional[int] = None  # with --cpu-offload at this world size: per device...
     offload_host_bytes: Optional[int] = None  # ... and the host memory it needs per rank
+    quantised_shard_bytes: int = 0  # --load-in-4bit: this rank's 4-bit base bytes (in param_shard_bytes)
+    dequantised_weight_bytes: int = 0  # --load-in-4bit: the largest matrix dequantised for its matmul
 
 
 # ---- the model on meta ---------------------------------------------------------------------------------
@@ -127,6 +132,10 @@ def build_meta_model(inputs: PlanInputs):
     master = _MASTER[inputs.dtype]
     if master != torch.float32:
         model = model.to(master)
+    if inputs.load_in_4bit:
+        from shardwise.planner.quantized import quantise_meta_model
+
+        quantise_meta_model(model, inputs.bnb_4bit_quant_type, inputs.double_quant, inputs.lora_r)
     if inputs.lora_r:
         from shardwise.hf.lora import LoraSettings, apply_lora
 
@@ -141,7 +150,8 @@ def build_meta_model(inputs: PlanInputs):
 
 
 def _model_key(inputs: PlanInputs) -> tuple:
-    return ("model", inputs.model, inputs.dtype, inputs.lora_r, inputs.lora_target_modules, inputs.lora_base_dtype)
+    return ("model", inputs.model, inputs.dtype, inputs.lora_r, inputs.lora_target_modules, inputs.lora_base_dtype,
+            inputs.load_in_4bit, inputs.bnb_4bit_quant_type, inputs.double_quant)
 
 
 def shard_size_for(strategy: Strategy, world_size: int, ranks_per_node: int) -> int:
@@ -371,6 +381,13 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
                                              (mp_dtype or _MASTER[inputs.dtype]).itemsize)
     prof = cache[key]
     activations = prof.peak(inputs.activation_checkpointing)
+    quantised_shard = dequantised = 0
+    if inputs.load_in_4bit:  # one matrix dequantised at a time, in forward, recompute and backward alike
+        from shardwise.planner.quantized import quantised_figures
+
+        quantised_shard, dequantised, uncounted = quantised_figures(model, plan, compute_itemsize)
+        activations += dequantised
+        num_params += uncounted
 
     # [Note: three peaks] (1) Early in backward: every activation is still saved, the optimizer state
     # exists (from the previous step) but gradients were freed by zero_grad(set_to_none=True) and come back
@@ -405,7 +422,8 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
         gathered_bytes=gathered, grad_reduce_bytes=grad_reduce, collective_scratch_bytes=scratch,
         activation_bytes=activations, activation_method=prof.method,
         backward_peak_bytes=backward_peak, optimizer_step_peak_bytes=step_peak,
-        device_bytes_offloaded=offloaded, total_bytes=total, lora_r=inputs.lora_r)
+        device_bytes_offloaded=offloaded, total_bytes=total, lora_r=inputs.lora_r,
+        quantised_shard_bytes=quantised_shard, dequantised_weight_bytes=dequantised)
 
 
 def fewest_ranks_that_fit(inputs: PlanInputs, budget: int, cache: dict, limit: int = 65536) -> Optional[int]:
@@ -504,6 +522,10 @@ def render(p: MemoryPlan) -> str:
         f"cpu_offload={p.cpu_offload}, activation_checkpointing={p.activation_checkpointing}, "
         f"batch {p.batch_size} x seq {p.seq_len} per rank",
         f"  {'parameter shards':<34}{fmt_bytes(p.param_shard_bytes):>14}",
+        *([f"  {'  of which the 4-bit base':<34}{fmt_bytes(p.quantised_shard_bytes):>14}   (packed + scales, "
+           f"1/{p.shard_size} each)",
+           f"  {'largest dequantised matrix':<34}{fmt_bytes(p.dequantised_weight_bytes):>14}   (in activations)"]
+          if p.quantised_shard_bytes else []),
         f"  {'gradient shards':<34}{fmt_bytes(p.grad_shard_bytes):>14}",
         f"  {'optimizer shards (AdamW)':<34}{fmt_bytes(p.optim_shard_bytes):>14}",
         f"  {'largest unit, gathered':<34}{fmt_bytes(p.gathered_unit_bytes):>14}",
@@ -563,6 +585,9 @@ def make_parser(defaults: Any) -> argparse.ArgumentParser:
     ap.add_argument("--lora-target-modules", default="", help="comma-separated module names (default: peft's)")
     ap.add_argument("--lora-base-dtype", default="", choices=("",) + tuple(_MASTER),
                     help="dtype of the frozen base (default: --dtype)")
+    ap.add_argument("--load-in-4bit", "--load_in_4bit", action="store_true",
+                    help="QLoRA: the frozen base in 4 bits (bitsandbytes' NF4 layout; needs --lora-r)")
+    ap.add_argument("--bnb-4bit-quant-type", "--bnb_4bit_quant_type", default="nf4", choices=("nf4", "fp4"))
     ap.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return ap
 
@@ -582,7 +607,8 @@ def main(argv: Optional[Sequence[str]], defaults: Any) -> int:
         activation_checkpointing=args.activation_checkpointing, batch_size=args.batch_size, seq_len=args.seq_len,
         dtype=args.dtype, ranks_per_node=args.ranks_per_node, device=args.device,
         transformer_layer_cls_to_wrap=_names(args.transformer_layer_cls_to_wrap), lora_r=args.lora_r,
-        lora_target_modules=_names(args.lora_target_modules), lora_base_dtype=args.lora_base_dtype)
+        lora_target_modules=_names(args.lora_target_modules), lora_base_dtype=args.lora_base_dtype,
+        load_in_4bit=args.load_in_4bit, bnb_4bit_quant_type=args.bnb_4bit_quant_type)
     from shardwise.hf.model_spec import ModelError
 
     cache: dict = {}

@@ -259,6 +259,8 @@ class Layout4bit:
         """The weight in ``dtype`` from its stored bytes: fp32 ``code * absmax`` rounded to nearest even, the
         same bits as bitsandbytes' ``dequantize_4bit``. Works ``chunk`` elements at a time, so the fp32
         transients stay small next to the result even for a 28,672 x 8,192 matrix."""
+        if stored["weight"].is_meta:  # shapes only (the memory planner's forward)
+            return torch.empty(self.shape, dtype=dtype, device="meta")
         absmax = self.absmax_fp32(stored["absmax"], stored["nested_absmax"], stored["offset"])
         table = decode_table(self.quant_type).to(absmax.device)
         out = torch.empty(self.numel, dtype=dtype, device=stored["weight"].device)
