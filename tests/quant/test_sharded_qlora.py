@@ -3,7 +3,8 @@ engine's flat buffers, each rank holding ~1/N of them; every byte pattern comes 
 all-gather (bf16 NaN payloads included: the bitsandbytes#1945 failure) under bf16 mixed precision; the base
 gets no gradient and no optimizer state; and training the adapters at world sizes 1-4 equals one process
 running the same quantised model through the same dequantisation code (fp32 compute, 1e-6): SGD with
-momentum and AdamW, activation checkpointing with no_sync accumulation, ZeRO-2-style strategies."""
+momentum and AdamW, activation checkpointing with no_sync accumulation, shard_grad_op, and a tied-head
+model (Qwen2: lm_head tied to the embedding stays in high precision)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def _bytes_and_frozen(rank, ws):
     uint8 groups hold ~1/N of the quantised bytes per rank; after a step they have no gradient and no
     optimizer state."""
     import shardwise
-    from shardwise.api import runtime_of
+    from shardwise.engine.runtime import runtime_of
     from shardwise.quant.linear import QuantLinear
 
     model = quantised_lora_model()
@@ -87,7 +88,7 @@ def _bytes_and_frozen(rank, ws):
     opt = make_optimizer("sgd", model.parameters())
     lm_loss(model, x[:2], y[:2]).backward()
     opt.step()
-    groups = [g for u in runtime_of(model).units for g in u.groups if g.plan.dtype == torch.uint8]
+    groups = [g for u in runtime_of(model).units for g in u.flat_groups if g.plan.dtype == torch.uint8]
     sd = shardwise.full_state_dict(model)
     prefix = next(n for n, m in model.named_modules() if m is patterned)
     out = {
@@ -108,6 +109,7 @@ def _worker(rank, ws):
         "sgd": lambda r, w: _parity(r, w, "sgd"),
         "adamw_ckpt_nosync": lambda r, w: _parity(r, w, "adamw", _accumulating_step, activation_checkpointing=True),
         "shard_grad_op": lambda r, w: _parity(r, w, "sgd", strategy="shard_grad_op"),
+        "tied_head_qwen2": lambda r, w: _parity(r, w, "adamw", model_fn=lambda: quantised_lora_model("qwen2")),
         "bytes": _bytes_and_frozen,
     }, rank, ws)
 
@@ -122,7 +124,7 @@ WORLD_SIZES = [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=py
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
-@pytest.mark.parametrize("case", ["sgd", "adamw_ckpt_nosync", "shard_grad_op"])
+@pytest.mark.parametrize("case", ["sgd", "adamw_ckpt_nosync", "shard_grad_op", "tied_head_qwen2"])
 def test_qlora_training_equals_single_process_on_the_same_quantised_model(ws, case):
     assert_parity(scenario(_report(ws)[0], case), rtol=1e-6, label=f"ws {ws} {case}")
 
