@@ -64,11 +64,12 @@ class ModelSpec:
         if self.kind == "hf" and os.path.isdir(self.source):
             copy_model_files(self.source, os.path.join(out, RUN_MODEL_FILES))
 
-    def load_weights(self, model: nn.Module, rename=None) -> None:
+    def load_weights(self, model: nn.Module, rename=None, quantization=None) -> None:
         """After ``shard()``: each rank reads its shards of the pretrained weights (``shardwise.load_pretrained``;
-        ``rename``: a peft-wrapped model's names, see ``shardwise.hf.lora.pretrained_name``)."""
+        ``rename``: a peft-wrapped model's names, see ``shardwise.hf.lora.pretrained_name``; ``quantization``:
+        the 4-bit base's settings)."""
         if self.weights_dir is not None:
-            load_pretrained(model, self.weights_dir, rename=rename)
+            load_pretrained(model, self.weights_dir, rename=rename, quantization=quantization)
 
     def frozen_base(self) -> Optional[dict]:
         """The record an adapter-only checkpoint keeps of its base (``checkpoint.frozen_base``): the weights

@@ -49,7 +49,8 @@ from shardwise.engine import agree
 from shardwise.errors import ShardwiseError
 from shardwise.engine.hf_init import hf_param_init_fn, is_hf_model
 from shardwise.hf.quantized_load import (QuantTarget, gather_absmax, load_prequantised, local_absmax,
-                                         match_quantised, quant_targets, quantise_pieces)
+                                         match_quantised, quant_targets, quantise_pieces, unsharded_quant_targets)
+from shardwise.quant.linear import QuantLinear
 from shardwise.hf.quantization import QuantSettings, check_quantised_model
 from shardwise.hf.weight_files import PretrainedWeights
 
@@ -158,7 +159,11 @@ def persistent_buffers(model: nn.Module) -> list[Target]:
 def unsharded_targets(model: nn.Module) -> list[Target]:
     """The targets of a model that is not sharded (the launcher checks a meta model before workers start)."""
     by_id: dict[int, Target] = {}
+    quantised = {id(p) for m in model.modules() if isinstance(m, QuantLinear) for n, p in m.named_parameters()
+                 if n != "bias"}  # checked by check_loadable through quantized_load
     for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in quantised:
+            continue
         if id(p) in by_id:
             by_id[id(p)].names.append(name)
         else:
@@ -171,6 +176,10 @@ def check_loadable(model: nn.Module, directory: os.PathLike | str) -> None:
     index, names, shapes, dtypes. Raises ShardwiseError naming what is wrong."""
     with PretrainedWeights(directory) as weights:
         match(model, unsharded_targets(model), weights, None)
+        hf, prefix = _hf_model(model)
+        targets = unsharded_quant_targets(model, prefix)
+        if targets:
+            match_quantised(targets, weights, _hf_key_mapping(hf, {t.name + ".weight" for t in targets})[0])
 
 
 # ---- matching names -----------------------------------------------------------------------------------------

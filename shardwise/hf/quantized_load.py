@@ -73,6 +73,17 @@ def quant_targets(runtime, prefix: str, rename) -> tuple[list[QuantTarget], set[
     return sorted(by_module.values(), key=lambda t: t.name), covered
 
 
+def unsharded_quant_targets(model, prefix: str) -> list[QuantTarget]:
+    """The QuantLinears of a model that is not sharded (the trainer's preflight check on a meta model), named
+    as in the checkpoint: ``prefix`` and peft's ``.base_layer`` dropped."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            name = name[len(prefix):] if name.startswith(prefix) else name
+            out.append(QuantTarget(m, name.replace(".base_layer", "")))
+    return sorted(out, key=lambda t: t.name)
+
+
 def match_quantised(targets: list[QuantTarget], weights: PretrainedWeights, to_model) -> set[str]:
     """Set each target's file key and kind, checking what the file declares; returns the file keys used."""
     by_name = {t.name + ".weight": t for t in targets}

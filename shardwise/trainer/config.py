@@ -97,6 +97,14 @@ class TrainConfig:
     """Module names that get adapters (e.g. q_proj,v_proj); empty: peft's default for the architecture."""
     lora_base_dtype: str = "fp32"
     """fp32 or bf16: the dtype the frozen base is kept in (adapters keep fp32 masters)."""
+    load_in_4bit: bool = False
+    """QLoRA (needs lora_r and --model DIR with weights): the base's Linears in bitsandbytes' 4-bit layout, sharded (~0.52 bytes per weight, scales included) and dequantised one matrix at a time; a bf16/fp32 DIR is quantised on load, a pre-quantised one read by copy."""
+    bnb_4bit_quant_type: str = "nf4"
+    """nf4 or fp4 (with load_in_4bit)."""
+    bnb_4bit_use_double_quant: bool = True
+    """Quantise the per-block scales too (bitsandbytes' double quantisation, TRL's --use_bnb_nested_quant)."""
+    bnb_4bit_quant_storage: str = "uint8"
+    """Accepted for TRL/HF command lines; the 4-bit bytes are always stored as uint8, never viewed as floats."""
 
     # ---- run directory, logging, checkpoints ------------------------------------------------------------
     out: str = "runs/train"
@@ -136,6 +144,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer": ("adamw", "muon"),
     "backend": ("auto", "gloo", "nccl"),
     "lora_base_dtype": ("fp32", "bf16"),
+    "bnb_4bit_quant_type": ("nf4", "fp4"),
+    "bnb_4bit_quant_storage": ("uint8", "int8", "bfloat16", "float16", "float32", "float64"),
 }
 
 # Accelerate fsdp_config / HF TrainingArguments spellings -> our key.
@@ -161,6 +171,7 @@ ALIASES: dict[str, str] = {
     "model_name": "model",
     "train_file": "data",
     "dataset": "data",
+    "use_bnb_nested_quant": "bnb_4bit_use_double_quant",
 }
 
 # Inclusive integer ranges. The upper bounds are where a value stops making sense on any machine (and, for
@@ -301,6 +312,8 @@ def validate(cfg: TrainConfig, labels: Optional[dict[str, str]] = None) -> Train
     for key in ("model", "data", "out"):
         if not getattr(cfg, key).strip():
             raise bad(key, "it must not be empty")
+    if cfg.load_in_4bit and not cfg.lora_r:
+        raise bad("load_in_4bit", "a 4-bit base is frozen, so only LoRA adapters can train: give --lora-r too")
     return cfg
 
 

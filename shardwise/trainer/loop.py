@@ -35,7 +35,7 @@ from shardwise.engine.mixed_precision import named_policy
 from shardwise.trainer import config as config_mod
 from shardwise.trainer import failures, launch, metrics, plot, preflight, schedule, state
 from shardwise.trainer.config import TrainConfig
-from shardwise.trainer.lora_model import wrap_lora
+from shardwise.trainer.lora_model import quant_settings, wrap_lora
 from shardwise.trainer.loss import global_loss_targets, loss_targets, micro_batch_loss
 from shardwise.hf.model_spec import ModelSpec, lm_loss, resolve_model
 from shardwise.trainer.sources import Sampler, open_training_data
@@ -72,7 +72,7 @@ def build_sharded_model(cfg: TrainConfig, spec: ModelSpec, device: torch.device)
     if cfg.lora_r:
         from shardwise.hf.lora import pretrained_name
 
-        spec.load_weights(model, rename=pretrained_name)
+        spec.load_weights(model, rename=pretrained_name, quantization=quant_settings(cfg))
     else:
         spec.load_weights(model)
     return model
