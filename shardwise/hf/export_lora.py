@@ -26,6 +26,7 @@ from torch import nn
 
 from shardwise.checkpoint.format import dtype_from_name
 from shardwise.checkpoint.match import alias_map
+from shardwise.hf.quantization import QuantSettings
 from shardwise.hf.rebuild import rebuild_on_meta
 from shardwise.checkpoint.safetensors_file import SafetensorsFile
 from shardwise.errors import ShardwiseError
@@ -151,6 +152,10 @@ def _checked_base_dir(ckpt: Path, record: dict, base: os.PathLike | None) -> Pat
     if not directory.is_dir():
         raise ShardwiseError(f"{option}: {directory} is not a directory; --merge of an adapter-only checkpoint reads "
                              f"the base weights from it")
+    if (directory / "config.json").is_file() and QuantSettings.from_pretrained(directory) is not None:
+        raise ShardwiseError(f"{option}: {directory} holds only 4-bit (bitsandbytes) weights; --merge adds the "
+                             f"adapters to the high-precision weights: pass --base DIR with the bf16/fp32 original, "
+                             f"or export the adapter alone")
     identity = weights_identity(directory)
     if identity != record["weights_sha256"]:
         raise ShardwiseError(f"{option}: the weights in {directory} (identity {identity[:12]}...) are not the base "

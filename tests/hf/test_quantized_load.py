@@ -166,3 +166,13 @@ def test_bad_pre_quantised_checkpoints_are_refused_in_one_line(dirs):
     for name, text in errors.items():
         assert text.startswith("ShardwiseError") and "\n" not in text.strip(), (name, text)
         assert "model.safetensors" in text, (name, text)
+
+
+def test_merge_refuses_a_base_directory_holding_only_4bit_weights(dirs, tmp_path):
+    from shardwise.errors import ShardwiseError
+    from shardwise.hf.export_lora import _checked_base_dir
+
+    record = {"source": os.path.join(dirs, "q4"), "weights_sha256": "0" * 64, "dtype": "float32"}
+    with pytest.raises(ShardwiseError, match=r"q4 holds only 4-bit \(bitsandbytes\) weights; --merge adds the adapters "
+                                             r"to the high-precision weights: pass --base DIR"):
+        _checked_base_dir(tmp_path / "ckpt", record, None)
