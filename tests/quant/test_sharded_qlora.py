@@ -44,11 +44,12 @@ def _accumulating_step(model, batch, _step, take):
         loss = lm_loss(model, x, y)
         loss.backward()
         return loss.detach()
-    half = x.shape[0] // 2
+    n = x.shape[0]
+    half = n // 2  # micro-batches weighted by their rows, so uneven halves (3 rows at ws 4) still give the mean
     with shardwise.no_sync(model):
-        first = lm_loss(model, x[:half], y[:half]) / 2
+        first = lm_loss(model, x[:half], y[:half]) * (half / n)
         first.backward()
-    second = lm_loss(model, x[half:], y[half:]) / 2
+    second = lm_loss(model, x[half:], y[half:]) * ((n - half) / n)
     second.backward()
     return (first + second).detach()
 
