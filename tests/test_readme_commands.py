@@ -272,7 +272,7 @@ def test_lora_resume_accepts_the_same_base_saved_in_another_file_layout(workdir,
     resume = next(c for c in COMMANDS if "--lora-r" in c.argv and "--resume" in c.argv)
     if not Path(option(resume.argv, "--out")).is_dir():
         pytest.skip("runs after the README's LoRA commands")
-    argv = [PLACEHOLDERS["path/to/llama"] if a == PLACEHOLDERS["DIR"] else a for a in resume.argv[1:]] + SHRINK
+    argv = [PLACEHOLDERS["path/to/llama"] if a == PLACEHOLDERS["DIR"] else a for a in resume.argv[2:]] + SHRINK
     cfg = resolve(argv)
     check_before_launch(cfg, world_size=2, local_ranks=2, launching=False)
 

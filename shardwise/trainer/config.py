@@ -224,8 +224,10 @@ def canonical_key(key: str) -> str:
 
         if k in NO_MEANING and key.startswith("--"):
             raise ConfigError(f"{key}: a Hugging Face Trainer flag with no meaning here ({NO_MEANING[k]}); drop it")
-        raise ConfigError(f"unknown {'option' if key.startswith('--') else 'config key'} {key!r}{suggestion(key)}; "
-                          f"`shardwise train --help` lists every option and its Hugging Face spellings")
+        if not key.startswith("--"):  # a TOML file: no --help at hand, so the keys themselves
+            raise ConfigError(f"unknown config key {key!r}{suggestion(key)}; valid keys: {', '.join(names)}")
+        raise ConfigError(f"unknown option {key!r}{suggestion(key)}; `shardwise train --help` lists every option "
+                          f"and its Hugging Face spellings")
     return k
 
 

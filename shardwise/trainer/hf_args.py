@@ -32,11 +32,6 @@ NO_MEANING = {
     "logging_dir": "metrics go to the run directory (--out)",
 }
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-# HF names accepted, for messages (the aliases live in config.ALIASES).
-ACCEPTED = ("--model_name_or_path", "--model_name", "--train_file", "--dataset", "--fsdp", "--fsdp_sharding_strategy (and Accelerate's fsdp_* keys)", "--per_device_train_batch_size", "--gradient_accumulation_steps",
-            "--gradient_checkpointing", "--bf16", "--fp16", "--learning_rate", "--max_steps", "--output_dir",
-            "--logging_steps", "--save_steps", "--eval_steps", "--warmup_steps", "--weight_decay", "--seed",
-            "--max_grad_norm", "--adam_beta1", "--adam_beta2", "--resume_from_checkpoint")
 
 
 def fsdp_options(words: str, label: str = "--fsdp") -> list[str]:
@@ -99,6 +94,3 @@ HF_HELP = ("--fsdp 'WORDS': space-separated, as TrainingArguments takes them: a 
            "line that uses any of them takes HF's defaults (see --defaults). Refused, with the reason: "
            + ", ".join("--" + k for k in NO_MEANING) + ".")
 
-
-def accepted_text() -> str:
-    return "Hugging Face Trainer flags accepted: " + ", ".join(ACCEPTED)
