@@ -46,9 +46,15 @@ class Generator:
 def hf_cached_logits(model: nn.Module) -> Callable[[torch.Tensor, Any], tuple[torch.Tensor, Any]]:
     """A Hugging Face causal LM's forward over the ids not yet in ``cache`` (its ``past_key_values``)."""
 
+    import inspect
+
+    # transformers 5.24 renamed past_key_values to cache (the old name warns); older versions know only the old
+    forward = getattr(model, "get_base_model", lambda: model)().forward
+    name = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
     def step(ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-        return out.logits, out.past_key_values
+        out = model(input_ids=ids, use_cache=True, **{name: cache})
+        return out.logits, getattr(out, name)
 
     return step
 
