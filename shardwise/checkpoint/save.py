@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.checkpoint import agree
+from shardwise.engine import agree
 from shardwise.checkpoint.commit import write_commit_record
 from shardwise.checkpoint.frozen_base import check_record, frozen_dtype
 from shardwise.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TMP_PREFIX, TRASH_PREFIX,
-                                         dtype_name, fsync_dir, rank_file_name, write_json_durably,
+                                         dtype_name, fsync_dir, rank_file_name, replace_dir, write_json_durably,
                                          write_safetensors)
 from shardwise.checkpoint.model_description import describe
 from shardwise.checkpoint.model_index import (optimizer_class_name, optimizer_param_names, persistent_buffers,
@@ -70,7 +70,7 @@ def save_checkpoint(
     their identity): the parameters that do not require gradients are not stored, the record is; a load
     then needs the same base in the model (LoRA: the checkpoint holds the adapters only).
     """
-    from shardwise.api import runtime_of
+    from shardwise.engine.runtime import runtime_of
 
     final = Path(path)
     rt = runtime_of(model)
@@ -105,7 +105,7 @@ def save_checkpoint(
         manifest = _manifest(indexes, rt, model, optimizer, step, world, frozen_base)
         write_commit_record(tmp, write_json_durably(tmp / MANIFEST_NAME, manifest))
         fsync_dir(tmp)  # every file's entry is durable before the directory can appear under its name
-        _replace_dir(tmp, final)
+        _commit_dir(tmp, final)
 
     try:
         agree.agreed(write_own_file, f"writing {tmp / file_name}")
@@ -130,23 +130,15 @@ def _checked_step(step: Any) -> Optional[int]:
     return value
 
 
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` to ``final`` (the commit point) and make the rename durable."""
-    trash = None
-    if final.exists():
-        # os.rename cannot replace a non-empty directory: move the old one aside first. A crash in between
-        # leaves only .trash-/.tmp- names, which readers skip.
-        trash = final.parent / f"{TRASH_PREFIX}{final.name}-{time.time_ns()}"
-        os.rename(final, trash)
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
+def _commit_dir(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final``: the commit point. A crash in between leaves only .trash-/.tmp- names,
+    which readers skip."""
+    replace_dir(tmp, final, final.parent / f"{TRASH_PREFIX}{final.name}-{time.time_ns()}")
 
 
 def _is_writer(rt) -> bool:
     """Replicas hold identical shards: only replicate index 0 writes them."""
-    return rt.groups.replicate is None or dist.get_rank(rt.groups.replicate) == 0
+    return rt.pgs.replicate is None or dist.get_rank(rt.pgs.replicate) == 0
 
 
 def _stored_params(rt, omit_frozen: bool):
@@ -242,8 +234,7 @@ def _no_tensors(where: str, t: torch.Tensor) -> str:
 def _manifest(indexes: list[dict], rt, model: nn.Module, optimizer, step: Optional[int], world: int,
               frozen_base: Optional[dict]) -> dict:
     """Merge the ranks' indexes into the one description loaders read."""
-    from shardwise import __version__
-
+    from shardwise.version import __version__
     params: dict[str, Any] = {}
     for spec, _group, _i in _stored_params(rt, frozen_base is not None):
         params[spec.fqn] = {
@@ -272,8 +263,8 @@ def _manifest(indexes: list[dict], rt, model: nn.Module, optimizer, step: Option
         "step": step,
         "world_size": world,
         "strategy": rt.strategy.value,
-        "shard_size": rt.groups.shard_size,
-        "replicate_size": rt.groups.replicate_size,
+        "shard_size": rt.pgs.shard_size,
+        "replicate_size": rt.pgs.replicate_size,
         "model": describe(model),
         "files": {ix["file"]: {"rank": ix["rank"], "bytes": ix["bytes"], "sha256": ix["sha256"]} for ix in indexes},
         "params": params,

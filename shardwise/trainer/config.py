@@ -20,11 +20,8 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from shardwise.strategy import ALIASES as STRATEGY_ALIASES, STRATEGY_NAMES
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message says what is valid."""
+from shardwise.engine.strategy import ALIASES as STRATEGY_ALIASES, STRATEGY_NAMES
+from shardwise.usage import ConfigError
 
 
 @dataclass
@@ -448,7 +445,7 @@ def hf_spelled(argv: Sequence[str]) -> bool:
 def _hf_block_size(model: str) -> int:
     """run_clm.py's default block size: the model's positions, at most 1024 (128 when the model cannot be read:
     the launcher's checks then name the problem)."""
-    from shardwise.trainer.model_factory import ModelError, resolve_model
+    from shardwise.hf.model_spec import ModelError, resolve_model
 
     try:
         positions = resolve_model(model).max_seq_len

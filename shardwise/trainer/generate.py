@@ -188,7 +188,7 @@ def from_run(path: Path, tokenizer: str, chat: bool) -> Generator:
     from shardwise.trainer.config import TrainConfig, load_toml
     from shardwise.trainer.jsonl_data import tokenizer_dir
     from shardwise.trainer.loop import build_sharded_model
-    from shardwise.trainer.model_factory import ModelError, lm_logits, resolve_model
+    from shardwise.hf.model_spec import ModelError, lm_logits, resolve_model
 
     run_dir = _run_config_dir(path)
     values, _ = load_toml(str(run_dir / "config.toml"))
@@ -213,7 +213,7 @@ def from_run(path: Path, tokenizer: str, chat: bool) -> Generator:
 
 
 def _hf_generator(model: nn.Module, tokenizer_dir: str, chat: bool, where: str) -> Generator:
-    from shardwise.trainer.hf_model import hf_max_positions
+    from shardwise.hf.config_model import hf_max_positions
 
     model.eval()
     vocab = int(model.get_output_embeddings().weight.shape[0])
@@ -227,7 +227,7 @@ def from_adapter(path: Path, tokenizer: str, chat: bool, base: str) -> Generator
     ``adapter_config.json`` names), the tokenizer from the export or the base."""
     from transformers import AutoModelForCausalLM
 
-    from shardwise.lora import ADAPTER_CONFIG
+    from shardwise.hf.lora import ADAPTER_CONFIG
 
     try:
         with open(path / ADAPTER_CONFIG) as f:
@@ -241,7 +241,7 @@ def from_adapter(path: Path, tokenizer: str, chat: bool, base: str) -> Generator
                              f"directory it was trained over)")
     from peft import PeftModel
 
-    from shardwise.lora import quiet_peft
+    from shardwise.hf.lora import quiet_peft
 
     with quiet_peft():
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True),
@@ -285,7 +285,7 @@ def from_export(path: Path, tokenizer: str, chat: bool) -> Generator:
 def generate_text(path: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 50,
                   seed: int = 0, tokenizer: str = "", chat: bool = False, base: str = "") -> str:
     """The continuation of ``prompt`` sampled from the model at ``path`` (see the module docstring)."""
-    from shardwise.lora import ADAPTER_CONFIG
+    from shardwise.hf.lora import ADAPTER_CONFIG
 
     p = Path(path)
     if not p.is_dir():
