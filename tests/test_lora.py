@@ -224,7 +224,7 @@ def test_pretrained_files_accept_a_peft_wrapped_model_as_the_launcher_checks_it(
 
     from shardwise.hf.lora import LoraSettings, apply_lora
     from shardwise.hf.pretrained import check_loadable
-    from shardwise.hf.weight_files import weights_identity
+    from shardwise.hf.weight_files import file_layout_identity, identity_for, weights_identity
 
     single = make_model_dir(str(tmp_path / "one"), "llama", tokenizer=False)
     sharded = make_model_dir(str(tmp_path / "many"), "llama", tokenizer=False, shards=True)
@@ -236,3 +236,6 @@ def test_pretrained_files_accept_a_peft_wrapped_model_as_the_launcher_checks_it(
     assert weights_identity(single) == weights_identity(sharded)  # the same tensors, another file layout
     other = make_model_dir(str(tmp_path / "other"), "llama", tokenizer=False, seed=1)
     assert weights_identity(other) != weights_identity(single)
+    # checkpoints written before the identity left the file layout still recognise their base (and only it)
+    legacy = file_layout_identity(single)
+    assert identity_for(single, legacy) == legacy and identity_for(other, legacy) == weights_identity(other)
