@@ -75,9 +75,8 @@ def train_main(argv: Sequence[str]) -> int:
         try:
             run(cfg)
         except (KeyboardInterrupt, SignalException) as e:
-            signum = int(getattr(e, "sigval", signal.SIGINT))
-            raise Interrupted(f"interrupted ({signal.Signals(signum).name}); the run continues from its last "
-                              f"checkpoint in {cfg.out} with the same command plus --resume latest", signum) from None
+            raise Interrupted(_interrupted_note(cfg, int(getattr(e, "sigval", signal.SIGINT))),
+                              int(getattr(e, "sigval", signal.SIGINT))) from None
         except ChildFailedError as e:
             if debug_enabled():
                 raise  # torch's report, with every failed rank's traceback
@@ -103,6 +102,16 @@ def _finished_note(cfg) -> str | None:
     return (f"{path} is at step {step} and --steps is {cfg.steps}: nothing left to train. --steps counts every "
             f"step of the run, those before the resume included: raise it (e.g. --steps {cfg.steps + step}) to "
             f"train further")
+
+
+def _interrupted_note(cfg, signum: int) -> str:
+    from shardwise.trainer.state import resume_path
+
+    what = f"interrupted ({signal.Signals(signum).name})"
+    if resume_path(cfg.out, "latest") is None:
+        return (f"{what} before its first checkpoint in {cfg.out}: the same command starts it again (--save-every N "
+                f"saves along the way)")
+    return f"{what}; the run continues from its last checkpoint in {cfg.out} with the same command plus --resume latest"
 
 
 @contextlib.contextmanager
@@ -132,7 +141,10 @@ def _quiet_launcher() -> Iterator[None]:
     first failure; the workers' own lines say what matters."""
     from shardwise.trainer.failures import debug_enabled
 
-    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    import torch.distributed.launcher.api  # noqa: F401  (creates the agent's loggers, each with its own level)
+
+    prefixes = ("torch.distributed.elastic", "torch.multiprocessing")
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith(prefixes)]
     levels = [logger.level for logger in loggers]
     if not debug_enabled():
         for logger in loggers:

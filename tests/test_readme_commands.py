@@ -193,13 +193,16 @@ def load_adapter(adapter: Path, base_dir: str | None):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from shardwise.hf.lora import quiet_peft
+
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         mode = stat.S_IMODE((adapter / name).stat().st_mode)
         assert mode == 0o644 & ~_umask(), f"{adapter / name}: mode {oct(mode)}"
     recorded = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
     if base_dir is not None:
         assert recorded and Path(recorded).resolve() == Path(base_dir).resolve(), recorded
-    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(recorded), str(adapter))
+    with quiet_peft():  # peft's FutureWarning about transformers, as in shardwise's own loading
+        return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(recorded), str(adapter))
 
 
 def _umask() -> int:
@@ -262,9 +265,10 @@ def test_readme_command(cmd: Command, workdir, monkeypatch, capfd):
         {"export": check_export, "generate": check_generate}[command](args, output)
 
 
-def test_lora_resume_accepts_the_same_base_saved_in_another_file_layout(workdir, monkeypatch):
-    """The README's LoRA resume, with DIR's weights saved as index-sharded files instead of one: the same
-    base, accepted before any worker starts."""
+def test_lora_resume_accepts_the_same_base_in_another_file_layout_and_refuses_another_base(workdir, monkeypatch):
+    """The README's LoRA resume with DIR's weights saved as index-sharded files instead of one: the same base,
+    accepted; with other weights: refused naming --model, before any worker starts (the launcher's checks)."""
+    from shardwise.errors import ShardwiseError
     from shardwise.trainer.config import resolve
     from shardwise.trainer.preflight import check_before_launch
 
@@ -272,9 +276,15 @@ def test_lora_resume_accepts_the_same_base_saved_in_another_file_layout(workdir,
     resume = next(c for c in COMMANDS if "--lora-r" in c.argv and "--resume" in c.argv)
     if not Path(option(resume.argv, "--out")).is_dir():
         pytest.skip("runs after the README's LoRA commands")
-    argv = [PLACEHOLDERS["path/to/llama"] if a == PLACEHOLDERS["DIR"] else a for a in resume.argv[2:]] + SHRINK
-    cfg = resolve(argv)
-    check_before_launch(cfg, world_size=2, local_ranks=2, launching=False)
+
+    def preflight(base: str) -> None:
+        argv = [base if a == PLACEHOLDERS["DIR"] else a for a in resume.argv[2:]] + SHRINK
+        check_before_launch(resolve(argv), world_size=2, local_ranks=2, launching=False)
+
+    preflight(PLACEHOLDERS["path/to/llama"])
+    hf_dirs.make_model_dir(str(workdir / "models/other"), "llama", seed=1)
+    with pytest.raises(ShardwiseError, match=r"^--model models/other: its weights \(identity .*\) are not the base"):
+        preflight("models/other")
 
 
 def test_resuming_a_finished_run_says_to_raise_steps(workdir, monkeypatch, capfd):

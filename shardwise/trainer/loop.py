@@ -281,6 +281,11 @@ def train_worker(cfg_values: dict[str, Any]) -> dict[str, Any]:
     try:
         launch.init_worker(cfg.backend, cfg.timeout_s, cfg.threads_per_rank)
         return train(cfg)
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group: the launcher says it once
+        if failures.debug_enabled():
+            raise
+        sys.stdout.flush()
+        os._exit(128 + 2)
     except Exception as e:
         if failures.debug_enabled():
             raise

@@ -242,8 +242,9 @@ def test_an_interrupted_run_says_so_and_how_to_resume(files, no_workers, capsys,
     code = main(["train", "--model", "gpt-tiny", "--data", str(t / "text.txt"), "--out", str(t / "stopped")])
     err = capsys.readouterr().err
     assert code == 128 + signum
-    assert err.strip() == (f"shardwise train: interrupted ({signal.Signals(signum).name}); the run continues from its "
-                           f"last checkpoint in {t / 'stopped'} with the same command plus --resume latest")
+    assert err.strip() == (f"shardwise train: interrupted ({signal.Signals(signum).name}) before its first "
+                           f"checkpoint in {t / 'stopped'}: the same command starts it again (--save-every N saves "
+                           f"along the way)")
     shutil.rmtree(t / "stopped", ignore_errors=True)
 
 
