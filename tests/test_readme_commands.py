@@ -44,6 +44,8 @@ SHRINK = ["--steps", "4", "--save-every", "2", "--log-every", "1", "--batch-size
           "--eval-batches", "1", "--no-progress"]
 ONE_RANK = ["--nproc", "1"]
 RESUMED_FROM = 2  # a resume command continues from the step-2 checkpoint of the command that wrote its run
+# The only commands not run: each keyed by how its text starts (after substitution), with the reason shown in the
+# skip. A README command that cannot run here (one that needs a GPU, say) is added here with its reason.
 SKIPS = {
     "pip": "installs packages; test_setup_lines_install_what_the_readme_and_the_tests_use checks the extras",
     "python -m pytest": "runs the test suite this test is part of",
