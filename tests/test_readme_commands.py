@@ -285,7 +285,8 @@ def test_lora_resume_accepts_the_same_base_in_another_file_layout_and_refuses_an
 
     preflight(PLACEHOLDERS["path/to/llama"])
     hf_dirs.make_model_dir(str(workdir / "models/other"), "llama", seed=1)
-    with pytest.raises(ShardwiseError, match=r"^--model \S*models/other: its weights \(identity .*\) are not the base "):
+    refusal = r"^--model \S*models/other: its weights \(identity .*\) are not the base "
+    with pytest.raises(ShardwiseError, match=refusal):
         preflight("models/other")
 
 
