@@ -61,9 +61,8 @@ def _read_param(manifest: dict, files: dict[str, SafetensorsFile], names: list[s
 def write_adapter(manifest: dict, files: dict[str, SafetensorsFile], tmp: Path) -> list[str]:
     """The peft adapter directory into ``tmp``: what ``save_pretrained`` of the trained peft model writes."""
     from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
 
-    from shardwise.hf.lora import ADAPTER_NAME, ADAPTER_WEIGHTS
+    from shardwise.hf.lora import ADAPTER_NAME, ADAPTER_WEIGHTS, write_adapter_files
 
     model = _peft_on_meta(manifest)
     trainable = {name: _read_param(manifest, files, [name]) for name, p in model.named_parameters() if p.requires_grad}
@@ -71,11 +70,8 @@ def write_adapter(manifest: dict, files: dict[str, SafetensorsFile], tmp: Path) 
     if missing:  # description_problem compared the names already: only a hand-made manifest gets here
         raise ShardwiseError(f"the checkpoint holds no {missing[0]}, an adapter of its LoRA model")
     tensors = {k: v.contiguous() for k, v in get_peft_model_state_dict(model, state_dict=trainable).items()}
-    save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = model.peft_config[ADAPTER_NAME]
-    config.base_model_name_or_path = manifest.get("frozen_base", {}).get("source")
-    config.inference_mode = True  # as peft's save_pretrained writes it
-    config.save_pretrained(str(tmp))  # adapter_config.json
+    # a run over a random base (config.json only) has no base directory: its base is in the checkpoint
+    write_adapter_files(tmp, tensors, model.peft_config[ADAPTER_NAME], manifest.get("frozen_base", {}).get("source"))
     return [ADAPTER_WEIGHTS]
 
 
@@ -145,7 +141,7 @@ def merged_source(ckpt: Path, manifest: dict, files: dict[str, SafetensorsFile],
 
 def _checked_base_dir(ckpt: Path, record: dict, base: os.PathLike | None) -> Path:
     """The base directory of an adapter-only checkpoint, its weights' identity checked against the record."""
-    from shardwise.hf.weight_files import weights_identity
+    from shardwise.hf.weight_files import identity_for
 
     directory = Path(base) if base is not None else Path(record["source"])
     option = "--base" if base is not None else f"{ckpt}'s base (pass --base DIR if it moved)"
@@ -156,7 +152,7 @@ def _checked_base_dir(ckpt: Path, record: dict, base: os.PathLike | None) -> Pat
         raise ShardwiseError(f"{option}: {directory} holds only 4-bit (bitsandbytes) weights; --merge adds the "
                              f"adapters to the high-precision weights: pass --base DIR with the bf16/fp32 original, "
                              f"or export the adapter alone")
-    identity = weights_identity(directory)
+    identity = identity_for(directory, record["weights_sha256"])
     if identity != record["weights_sha256"]:
         raise ShardwiseError(f"{option}: the weights in {directory} (identity {identity[:12]}...) are not the base "
                              f"{ckpt} was trained over ({record['source']}, identity "

@@ -77,7 +77,8 @@ def load_pretrained(model: nn.Module, directory: os.PathLike | str, *, rename: R
 
     ``rename`` maps a model name to the name it has in the checkpoint's model (before Hugging Face's own
     renaming rules), or None for a parameter the file does not hold and that keeps its ``shard()`` init
-    (adapters added by peft, say). Raises ShardwiseError on every rank, naming the file or tensor, for a
+    (adapters added by peft, say). Default: none, and for a peft-wrapped model
+    ``lora.pretrained_name``. Raises ShardwiseError on every rank, naming the file or tensor, for a
     directory without safetensors weights, a damaged file, a hostile index, a missing or misshapen weight.
     """
     runtime = getattr(model, STATE_ATTR, None)
@@ -102,6 +103,7 @@ def _load(model: nn.Module, runtime, directory, rename: Rename | None) -> tuple[
     """Read every piece this rank owns; returns the unused file tensors and the 4-bit weights that still
     have to be quantised (after their absmax vectors are gathered)."""
     hf, prefix = _hf_model(model)
+    rename = rename if rename is not None else _default_rename(model)
     quantised, covered = quant_targets(runtime, prefix, rename)
     specs = [spec for spec in runtime.plan.params() if id(spec) not in covered]
     params = [Target([r.fqn for r in spec.refs], tuple(spec.shape), spec.dtype, False) for spec in specs]
@@ -192,6 +194,7 @@ def match(model: nn.Module, targets: list[Target], weights: PretrainedWeights, r
     """Set ``target.key`` for every target the file holds; raise for a missing parameter or a mismatch.
     Returns the file tensors nothing uses (after Hugging Face's ignore rules)."""
     hf, prefix = _hf_model(model)
+    rename = rename if rename is not None else _default_rename(model)
     local: dict[str, Target] = {}  # the name in the HF model (after ``rename``) -> target
     for t in targets:
         for name in t.names:
@@ -236,6 +239,14 @@ def match(model: nn.Module, targets: list[Target], weights: PretrainedWeights, r
     return sorted(unexpected)
 
 
+def _default_rename(model: nn.Module) -> Rename | None:
+    """A peft-wrapped model's base is read under the base model's names (``lora.pretrained_name``); its
+    adapters are not in the files and keep their init."""
+    from shardwise.hf.lora import is_peft_model, pretrained_name
+
+    return pretrained_name if is_peft_model(model) else None
+
+
 def _check_tied_equal(weights: PretrainedWeights, t: Target, keys: list[str], chunk: int = 1 << 20) -> None:
     """A tied parameter found under several names must hold the same values under each: ``from_pretrained``
     would untie them otherwise, which a model built with them tied cannot represent. Compared in chunks."""
@@ -253,9 +264,13 @@ def _check_tied_equal(weights: PretrainedWeights, t: Target, keys: list[str], ch
 
 
 def _hf_model(model: nn.Module) -> tuple[nn.Module, str]:
-    """The Hugging Face model inside ``model`` (itself, or the first submodule that is one) and its name prefix."""
+    """The Hugging Face model inside ``model`` (itself, or the first submodule that is one) and its name prefix.
+
+    The class must define ``base_model_prefix`` itself: peft's wrappers forward unknown attributes to the model
+    they wrap, so a ``PeftModelForCausalLM`` answers ``_init_weights`` and ``base_model_prefix`` too, and taking
+    it for the Hugging Face model would ask the files for peft's names (``base_model.model.model...``)."""
     for name, m in model.named_modules():
-        if is_hf_model(m) and hasattr(m, "base_model_prefix"):
+        if is_hf_model(m) and hasattr(type(m), "base_model_prefix"):
             return m, f"{name}." if name else ""
     raise ShardwiseError(f"load_pretrained: {type(model).__name__} holds no Hugging Face model "
                          f"(transformers PreTrainedModel); it loads Hugging Face model directories only")

@@ -11,7 +11,9 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from shardwise.planner.memory import PlanInputs, main, plan_memory
+from shardwise.planner.cli import main
+from shardwise.planner.memory import PlanInputs, plan_memory
+from shardwise.usage import UsageError
 
 SEED_JOB = PlanInputs("llama-2-70b", 4, mixed_precision="bf16", activation_checkpointing=True, batch_size=1,
                       seq_len=2048, dtype="bf16", lora_r=16, lora_base_dtype="bf16")
@@ -35,6 +37,6 @@ def test_seed_job_fits_four_24gb_gpus_with_a_4bit_base_and_not_with_bf16():
     assert nf4.trainable_params == bf16.trainable_params
 
 
-def test_load_in_4bit_needs_lora(capsys):
-    assert main(["--model", "llama-2-7b", "--world-size", "2", "--load-in-4bit"], _Defaults) == 2
-    assert "--load-in-4bit needs --lora-r" in capsys.readouterr().err
+def test_load_in_4bit_needs_lora():
+    with pytest.raises(UsageError, match="--load-in-4bit needs --lora-r"):
+        main(["--model", "llama-2-7b", "--world-size", "2", "--load-in-4bit"], _Defaults, 4096)
