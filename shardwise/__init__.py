@@ -7,6 +7,7 @@ from shardwise.full_params import register_forward_method, summon_full_params
 from shardwise.grad_scaler import ShardedGradScaler
 from shardwise.mixed_precision import MixedPrecision
 from shardwise.offload import CPUOffload
+from shardwise.optimizer_guard import allow_optimizer
 from shardwise.optim.offload import OffloadOptimizer, offload_optimizer
 from shardwise.logical_shapes import ParamInfo, named_param_infos, num_parameters, param_info
 from shardwise.pretrained import load_pretrained, skip_weight_init
@@ -33,6 +34,7 @@ __all__ = [
     "ShardedGradScaler",
     "CPUOffload",
     "offload_optimizer",
+    "allow_optimizer",
     "OffloadOptimizer",
     "Strategy",
     "ShardwiseError",

@@ -15,12 +15,14 @@ from shardwise.buffers import BufferBroadcast
 from shardwise.checkpointing import checkpoint_unit
 from shardwise.consistency import CollectiveChecker, check_same_plan, checks_enabled
 from shardwise.errors import ShardwiseError
-from shardwise.flat_buffer import FlatGroup
+from shardwise import optimizer_guard
+from shardwise.flat_buffer import FlatGroup, adopt_tensor_hooks
 from shardwise.mixed_precision import MixedPrecision
 from shardwise.offload import CPUOffload
 from shardwise.offload_transfers import OffloadTransfers
 from shardwise.plan import UnitsSpec, build_plan, entry_modules
 from shardwise.runtime import ModelRuntime, Unit
+from shardwise.shard_grad import local_only
 from shardwise.strategy import Strategy, resolve_groups
 
 _STATE_ATTR = "_shardwise"
@@ -101,11 +103,13 @@ def shard(
 
     # The original parameter objects are retired: their memory is released, and an optimizer that still
     # holds them (built before shard) is caught at its first step instead of silently doing nothing.
-    for spec in plan.params():
-        old = spec.refs[0].module._parameters[spec.refs[0].name]
-        old.data = torch.empty(0, dtype=old.dtype, device=old.device)
-        old._shardwise_retired = spec.fqn
-    _install_optimizer_check()
+    for gp in plan.groups():
+        for spec, shard_param in zip(gp.params, flat_groups[id(gp)].shard_params):
+            old = spec.refs[0].module._parameters[spec.refs[0].name]
+            adopt_tensor_hooks(old, shard_param)  # p.register_hook before shard() keeps working
+            old.data = torch.empty(0, dtype=old.dtype, device=old.device)
+            old._shardwise_retired = spec.fqn
+    optimizer_guard.install()
 
     runtime = ModelRuntime(strategy, groups, mp, prefetch)
     if offload is not None:
@@ -190,34 +194,6 @@ def _resolve_device(model: nn.Module, device, groups) -> torch.device:
     return devices.compute_device(real, groups.shard or groups.replicate, explicit=device)
 
 
-_optimizer_check_installed = False
-
-
-def _install_optimizer_check() -> None:
-    global _optimizer_check_installed
-    if _optimizer_check_installed:
-        return
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    def check(optimizer, args, kwargs):
-        # Checked once per optimizer (and again if its parameter count changes): cheap on the hot path.
-        n = sum(len(g["params"]) for g in optimizer.param_groups)
-        if optimizer.__dict__.get("_shardwise_checked") == n:
-            return
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                fqn = getattr(p, "_shardwise_retired", None)
-                if fqn is not None:
-                    raise ShardwiseError(
-                        f"{type(optimizer).__name__} holds parameter {fqn!r} from before shardwise.shard(); "
-                        f"build the optimizer after shard() from model.parameters()"
-                    )
-        optimizer.__dict__["_shardwise_checked"] = n
-
-    register_optimizer_step_pre_hook(check)
-    _optimizer_check_installed = True
-
-
 @contextlib.contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Accumulate gradients locally (unsharded, in the reduce dtype) without communicating them; the first
@@ -262,11 +238,12 @@ def grad_norm_terms(grads: list[torch.Tensor], norm_type: float) -> list[torch.T
     """Each local gradient piece's part of the global norm (fp32): its norm, or its largest magnitude for
     the inf-norm. Computed per piece, so a group's terms can be computed as soon as its gradients land
     (optim/offload.py) and still sum exactly as ``clip_grad_norm_``'s."""
-    if math.isinf(norm_type):
-        # A rank's piece of a parameter may be empty (max() of nothing raises): only non-empty pieces count.
-        return [g.detach().abs().max().float() for g in grads if g.numel()]
-    # One foreach kernel over the pieces, not a Python loop of norms per parameter per step.
-    return list(torch._foreach_norm(grads, norm_type, dtype=torch.float32)) if grads else []
+    with local_only():  # this rank's pieces' own norms: global_grad_norm sums them over the ranks once
+        if math.isinf(norm_type):
+            # A rank's piece of a parameter may be empty (max() of nothing raises): only non-empty pieces count.
+            return [g.detach().abs().max().float() for g in grads if g.numel()]
+        # One foreach kernel over the pieces, not a Python loop of norms per parameter per step.
+        return list(torch._foreach_norm(grads, norm_type, dtype=torch.float32)) if grads else []
 
 
 def global_grad_norm(rt: ModelRuntime, terms: list[torch.Tensor], norm_type: float) -> torch.Tensor:

@@ -40,6 +40,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.mixed_precision import MixedPrecision
 from shardwise.offload import CPUOffload
 from shardwise.plan import FlatGroupPlan
+from shardwise.shard_grad import as_shard_grad, register_group
 from shardwise.strategy import Groups
 
 
@@ -64,6 +65,8 @@ class FlatGroup:
         self.plan = plan
         self.wants_kept_gathered = keep_gathered  # ZeRO-1/2: see strategy.Strategy.keeps_params_gathered
         self.all_reduce_grads = all_reduce_grads and groups.shard is not None  # ZeRO-1
+        # Gradients handed out are pieces (ShardGrad, exact under torch's norms) when the shard group has ranks.
+        self.grad_key = register_group(groups.shard, device) if groups.shard is not None else 0
         self.groups = groups
         self.device = device
         self.offload = offload
@@ -343,6 +346,14 @@ class FlatGroup:
             flat.add_(self._unsynced_grad)
             self._unsynced_grad = None
         if not sync:
+            hooked = [spec.fqn for spec, p in zip(self.plan.params, self.shard_params) if tensor_hooks(p)]
+            if hooked:
+                # The hook would run once on the sum of the micro-batches; plain torch runs it on each.
+                raise ShardwiseError(
+                    f"parameter {hooked[0]!r} has a tensor hook (p.register_hook) and this backward runs under "
+                    f"shardwise.no_sync: gradients are summed before any hook can run, so a hook that is not "
+                    f"linear would see a different gradient than in plain PyTorch; accumulate without no_sync "
+                    f"or remove the hook")
             self._unsynced_grad = flat
             return None
         dp = self.groups.data_parallel_size
@@ -377,15 +388,35 @@ class FlatGroup:
             self.checker.agree("the consistency exchange before a post-accumulate-grad hook")
         if grad_shard.dtype != self.plan.dtype or grad_shard.device != self.shard.device:
             grad_shard = grad_shard.to(device=self.shard.device, dtype=self.plan.dtype)
-        for p, (lo, hi, at) in zip(self.shard_params, self.local_slices):
+        full = self._full_grad_for_hooks(grad_shard)
+        for p, (lo, hi, at), spec in zip(self.shard_params, self.local_slices, self.plan.params):
             if not p.requires_grad:
                 continue  # frozen after shard(): autograd would give it no gradient either
-            piece = grad_shard.narrow(0, at, hi - lo)
+            if full is not None and tensor_hooks(p):
+                piece = run_tensor_hooks(p, full.narrow(0, spec.offset, spec.numel).view(spec.shape), spec.fqn)
+                piece = piece.reshape(-1)[lo:hi].to(grad_shard.device)
+            else:
+                piece = grad_shard.narrow(0, at, hi - lo)
+            if self.grad_key:
+                piece = as_shard_grad(piece, self.grad_key)
             if p.grad is None:
                 p.grad = piece
             else:
                 p.grad.add_(piece)
             run_post_accumulate_grad_hooks(p)
+
+    def _full_grad_for_hooks(self, grad_shard: torch.Tensor) -> Optional[torch.Tensor]:
+        """The whole reduced gradient of this group (padded flat), when a parameter has tensor hooks: they
+        run on the full-shape gradient, the same on every rank, as in one process (see run_tensor_hooks)."""
+        if not any(p.requires_grad and tensor_hooks(p) for p in self.shard_params):
+            return None
+        if self.groups.shard is None:
+            return grad_shard  # a group of one rank: the shard is the whole flat
+        src = grad_shard.narrow(0, 0, self.plan.shard_numel).to(self.device)
+        full = torch.empty(self.plan.padded_numel, dtype=src.dtype, device=self.device)
+        collectives.all_gather_into(full, src, self.groups.shard, async_op=False,
+                                    what=f"the gradient of unit {self.plan.unit_fqn or '<root>'!r} for its tensor hooks")
+        return full
 
     def has_unsynced_grad(self) -> bool:
         return self._unsynced_grad is not None
@@ -466,6 +497,37 @@ def _home(p: torch.Tensor) -> tuple:
 def carries_digits(dtype: torch.dtype) -> bool:
     """Whether a sum in ``dtype`` delivers the in-band fingerprint digits 0-255 exactly (consistency.py)."""
     return dtype.is_floating_point or dtype in (torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def tensor_hooks(p: torch.Tensor) -> dict | None:
+    """Hooks from ``p.register_hook`` on a shard parameter (or moved onto it from the parameter it replaced,
+    see ``adopt_tensor_hooks``). Private attribute ``_backward_hooks`` (checked on torch 2.11 and 2.13)."""
+    return p._backward_hooks
+
+
+def adopt_tensor_hooks(old: torch.Tensor, new: torch.Tensor) -> None:
+    """Give shard parameter ``new`` the tensor hooks of the parameter ``old`` it replaces, the same dict, so
+    a handle from ``old.register_hook`` still removes its hook (``register_post_accumulate_grad_hook`` too)."""
+    if tensor_hooks(old):
+        new._backward_hooks = old._backward_hooks
+    post = _post_accumulate_grad_hooks(old)
+    if post:
+        new._post_accumulate_grad_hooks = post
+
+
+def run_tensor_hooks(p: torch.Tensor, grad: torch.Tensor, fqn: str) -> torch.Tensor:
+    """Run ``p``'s tensor hooks on ``grad``, as autograd runs them before it accumulates. Gradients reach shard
+    parameters through the reduce-scatter, not autograd, so we run them, on the parameter's whole reduced
+    (global-batch) gradient in its full shape: what the hook sees in one process, the same on every rank
+    (a hook that raises, raises everywhere); each rank keeps its piece of the result."""
+    for hook in list(tensor_hooks(p).values()):
+        out = hook(grad)
+        if out is not None:
+            if out.shape != grad.shape:
+                raise ShardwiseError(f"a tensor hook on parameter {fqn!r} returned "
+                                     f"shape {tuple(out.shape)} for a gradient of shape {tuple(grad.shape)}")
+            grad = out
+    return grad
 
 
 def run_post_accumulate_grad_hooks(p: torch.Tensor) -> None:

@@ -35,6 +35,7 @@ from typing import Iterable, Optional
 import torch
 import torch.nn as nn
 
+from shardwise import optimizer_guard
 from shardwise.api import (clip_coefficient, global_grad_norm, grad_norm_terms, group_grads, runtime_of,
                            scale_grads)
 from shardwise.errors import ShardwiseError
@@ -94,8 +95,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if g not in members:
                 continue
             groups = [{**_options(self.param_groups[j]), "params": ps} for j, ps in members[g]]
-            self._inner[g] = optimizer_cls(groups)
+            self._inner[g] = inner = optimizer_cls(groups)
             self._option_source[g] = [j for j, _ in members[g]]
+            optimizer_guard.examine(inner)  # an optimizer class that is not elementwise: refused now
+            inner.__dict__["_shardwise_inner"] = True  # its state is ours: checked by our step and load
         self._stepped: set = set()  # groups stepped since the last step() (during backward)
         self._norm_terms: dict = {}  # group -> its part of the global norm, from its last landing
         self._wire()
@@ -108,6 +111,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)  # replaces self.state and the param group dicts
         self._wire()
+        # Checked now, not at the first step: the inner optimizers may step during the next backward.
+        optimizer_guard.verify_loaded(self)
 
     # ---- called by offload_transfers as each gradient shard lands (worker thread under CUDA) ----------
     def take_landing(self, landing) -> None:
@@ -169,6 +174,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._stepped.clear()
         self._norm_terms.clear()
         return loss
+
+
+optimizer_guard.allow_optimizer(OffloadOptimizer)  # steps one inner optimizer per group, each checked
 
 
 def _options(param_group: dict) -> dict:
