@@ -24,13 +24,13 @@ from harness import run_distributed
 
 def worker(rank, world, n_layer):
     import shardwise
-    from shardwise import collectives, consistency
+    from shardwise.engine import collectives, fingerprint
     from shardwise.models import GPT, Block, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=n_layer, n_head=2, n_embd=16))
     shardwise.shard(model, units={Block})
     opt = torch.optim.AdamW(model.parameters())
-    side = consistency.side_group()
+    side = fingerprint.side_group()
     counts = {"side": 0, "data": 0}  # side: consistency exchanges; data: all-gathers and reduce-scatters
     side_s = 0.0  # wall time inside the side exchanges (they are synchronous: the call returns when done)
     orig = collectives.all_gather_into

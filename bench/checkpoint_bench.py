@@ -81,7 +81,6 @@ def _build_fsdp2(preset: str):
 
 def _bench_shardwise(preset, root: Path, repeats: int, seq: int, batch: int) -> dict:
     from shardwise.checkpoint import load_checkpoint, save_checkpoint
-
     model, opt = _build_shardwise(preset)
     _one_step(model, opt, dist.get_rank(), seq, batch)
     path = root / "shardwise-ckpt"

@@ -80,7 +80,7 @@ def worker(rank: int, world: int, init_file: str, method: str, directory: str, o
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import shardwise
-    from shardwise.api import runtime_of
+    from shardwise.engine.runtime import runtime_of
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=1800))
@@ -108,8 +108,8 @@ def worker(rank: int, world: int, init_file: str, method: str, directory: str, o
         shardwise.shard(model, sync_module_states=True)
     seconds = time.perf_counter() - t0
     peak = status_bytes("VmHWM")
-    shard_bytes = sum(g.shard.numel() * g.shard.element_size() for u in runtime_of(model).units for g in u.groups)
-    checksum = sum(float(g.shard.double().sum()) for u in runtime_of(model).units for g in u.groups)
+    shard_bytes = sum(g.shard.numel() * g.shard.element_size() for g in runtime_of(model).flat_groups())
+    checksum = sum(float(g.shard.double().sum()) for g in runtime_of(model).flat_groups())
     with open(f"{out_file}.{rank}", "w") as f:
         json.dump({"rank": rank, "seconds": seconds, "peak_increase": peak - base, "peak": peak,
                    "shard_bytes": shard_bytes, "checksum": checksum}, f)

@@ -52,9 +52,9 @@ def measure_tiny(root: Path, r: int, targets: list[str]) -> list[tuple[str, str,
 
 
 def estimate(preset: str, r: int, targets: list[str]) -> list[tuple[str, str, int]]:
-    from shardwise.arch_presets import ARCH_PRESETS
-    from shardwise.lora import LoraSettings, apply_lora
-    from shardwise.trainer.hf_model import build_hf_model, hf_config_from_dict
+    from shardwise.hf.presets import ARCH_PRESETS
+    from shardwise.hf.lora import LoraSettings, apply_lora
+    from shardwise.hf.config_model import build_hf_model, hf_config_from_dict
 
     model = apply_lora(build_hf_model(hf_config_from_dict(ARCH_PRESETS[preset], preset), "meta"),
                        LoraSettings(r=r, target_modules=tuple(targets)))

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _naive_muon_class():
-    from shardwise.logical_shapes import param_info
+    from shardwise.engine.logical_shapes import param_info
     from shardwise.optim.muon import Muon, _matrix_shape, adjusted_lr
     from shardwise.optim.newton_schulz import orthogonalize
 
@@ -63,7 +63,6 @@ def _worker(rank: int, ws: int, init_file: str, args, queue) -> None:
     import shardwise
     from shardwise.models import GPT, Block
     from shardwise.optim import Muon
-
     torch.manual_seed(0)
     overrides = {"n_layer": args.n_layer} if args.n_layer else {}
     model = shardwise.shard(GPT.from_preset(args.model, **overrides), units={Block})

@@ -1,20 +1,22 @@
 """shardwise: fully sharded data parallel training for PyTorch."""
 
-from shardwise.api import clip_grad_norm_, no_sync, shard
-from shardwise.checkpoint import CheckpointManager, export_checkpoint, load_checkpoint, save_checkpoint
+from shardwise.engine.api import no_sync, shard
+from shardwise.engine.grad_norm import clip_grad_norm_
+from shardwise.checkpoint import CheckpointManager, load_checkpoint, save_checkpoint
 from shardwise.errors import ShardwiseError
-from shardwise.full_params import register_forward_method, summon_full_params
-from shardwise.grad_scaler import ShardedGradScaler
-from shardwise.mixed_precision import MixedPrecision
-from shardwise.offload import CPUOffload
-from shardwise.optimizer_guard import allow_optimizer
-from shardwise.optim.offload import OffloadOptimizer, offload_optimizer
-from shardwise.logical_shapes import ParamInfo, named_param_infos, num_parameters, param_info
-from shardwise.pretrained import load_pretrained, skip_weight_init
-from shardwise.state_dict import full_state_dict, load_full_state_dict
-from shardwise.strategy import Strategy
+from shardwise.engine.full_params import register_forward_method, summon_full_params
+from shardwise.engine.grad_scaler import ShardedGradScaler
+from shardwise.engine.mixed_precision import MixedPrecision
+from shardwise.engine.cpu_offload import CPUOffload
+from shardwise.engine.optimizer_guard import allow_optimizer
+from shardwise.optim.offload_optimizer import OffloadOptimizer, offload_optimizer
+from shardwise.engine.logical_shapes import ParamInfo, named_param_infos, num_parameters, param_info
+from shardwise.hf.export import export_checkpoint
+from shardwise.hf.pretrained import load_pretrained, skip_weight_init
+from shardwise.engine.state_dict import full_state_dict, load_full_state_dict
+from shardwise.engine.strategy import Strategy
 
-__version__ = "0.1.0"
+from shardwise.version import __version__
 
 __all__ = [
     "shard",

@@ -18,6 +18,8 @@ import sys
 import tempfile
 from typing import Iterator, Optional, Sequence
 
+from shardwise.usage import UsageError
+
 USAGE = """usage: shardwise <command> [options] [--debug]
 
 commands:
@@ -32,8 +34,6 @@ commands:
 DEBUG_FLAG = "--debug"
 
 
-class UsageError(Exception):
-    """A command line that cannot be run; the message names the option (exit status 2)."""
 
 
 def train_main(argv: Sequence[str]) -> int:
@@ -111,20 +111,21 @@ def _quiet_launcher() -> Iterator[None]:
 
 
 def estimate_main(argv: Sequence[str]) -> int:
-    from shardwise import estimate
+    from shardwise.planner import memory as estimate
+    from shardwise.trainer.config import TrainConfig
 
-    parser = estimate.make_parser()
+    parser = estimate.make_parser(TrainConfig())
     parser.error = _raise_usage  # type: ignore[method-assign]  # one line, not argparse's usage block
     args = parser.parse_args(argv)
     _check_estimate_args(args)
-    return estimate.main(argv)
+    return estimate.main(argv, TrainConfig())
 
 
 def _check_estimate_args(args: argparse.Namespace) -> None:
     """Numbers ``estimate-memory`` would otherwise plan with silently (or fail on deep inside)."""
-    from shardwise.estimate import parse_size
+    from shardwise.usage import parse_size
     from shardwise.trainer.config import INT_RANGES
-    from shardwise.trainer.model_factory import resolve_model
+    from shardwise.hf.model_spec import resolve_model
 
     for option, value, hi in (("--world-size", args.world_size, 2**24), ("--batch-size", args.batch_size, 2**20),
                               ("--seq-len", args.seq_len, INT_RANGES["seq_len"][1]),
@@ -152,7 +153,7 @@ def _raise_usage(message: str):
 
 
 def export_main(argv: Sequence[str]) -> int:
-    from shardwise.checkpoint.export import export_main as run_export
+    from shardwise.hf.export import export_main as run_export
 
     return int(run_export(list(argv)) or 0)
 
@@ -175,7 +176,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if DEBUG_FLAG in argv:
         argv = [a for a in argv if a != DEBUG_FLAG]
-        from shardwise.checkpoint.agree import DEBUG_ENV
+        from shardwise.engine.agree import DEBUG_ENV
 
         os.environ[DEBUG_ENV] = "1"  # the workers inherit it
     if not argv or argv[0] in ("-h", "--help"):

@@ -95,12 +95,12 @@ def sharded_param_errors(model: nn.Module, reference: nn.Module) -> dict[str, fl
     """Relative error of every parameter of a sharded ``model`` against ``reference``, measured on the shards
     themselves (no gather): each rank compares its local pieces with the same slices of the reference, and
     the squared norms are summed over the world. Checks the shard layout as well as the values."""
-    from shardwise.api import runtime_of
+    from shardwise.engine.runtime import runtime_of
 
     rt = runtime_of(model)
     names, sq = [], []
     for unit in rt.units:
-        for g in unit.groups:
+        for g in unit.flat_groups:
             for spec, p, (lo, hi, _) in zip(g.plan.params, g.shard_params, g.local_slices):
                 ref = reference.get_parameter(spec.fqn).detach().reshape(-1)[lo:hi].to(torch.float64)
                 mine = p.detach().to(torch.float64)
@@ -226,7 +226,7 @@ def assert_engine_clean(model: nn.Module, when: str = "after backward") -> None:
     """The engine's state between steps: runtime idle, nothing in flight, every module parameter its 1-D
     shard ``nn.Parameter`` (still a view of the flat shard), nothing left gathered, no entry still open, no
     unreduced gradient outside ``no_sync``. Every parity run asserts it after every backward."""
-    from shardwise.api import runtime_of
+    from shardwise.engine.runtime import runtime_of
 
     problems = runtime_of(model).invariant_violations()
     assert not problems, f"engine not clean {when}: " + "; ".join(problems)
@@ -245,7 +245,7 @@ def assert_parity(metrics: dict, rtol: float = 1e-6, label: str = "", param_rtol
 
 
 def is_sharded(model: nn.Module) -> bool:
-    from shardwise.api import _STATE_ATTR
+    from shardwise.engine.runtime import STATE_ATTR as _STATE_ATTR
 
     return getattr(model, _STATE_ATTR, None) is not None
 
@@ -286,7 +286,7 @@ def scenario(report: dict, name: str) -> dict:
 
 
 class CollectiveCounter:
-    """Counts the elements shardwise sends through each collective while active (patches ``shardwise.collectives``,
+    """Counts the elements shardwise sends through each collective while active (patches ``shardwise.engine.collectives``,
     which every other module calls through)."""
 
     NAMES = ("all_gather_into", "reduce_scatter_into", "all_reduce_sum")
@@ -297,8 +297,7 @@ class CollectiveCounter:
         self._saved = {}
 
     def __enter__(self) -> "CollectiveCounter":
-        from shardwise import collectives
-
+        from shardwise.engine import collectives
         for name in self.NAMES:
             original = getattr(collectives, name)
             self._saved[name] = original
@@ -315,8 +314,7 @@ class CollectiveCounter:
         return self
 
     def __exit__(self, *exc) -> None:
-        from shardwise import collectives
-
+        from shardwise.engine import collectives
         for name, original in self._saved.items():
             setattr(collectives, name, original)
 
@@ -325,11 +323,11 @@ def whole_model_rel_err(model: nn.Module, reference: nn.Module) -> float:
     """``||theta - theta_ref|| / ||theta_ref||`` over all parameters together, from the shards (see
     ``sharded_param_errors``): the metric for runs whose per-tensor errors are legitimately large on small
     tensors (bf16 rounding of near-cancelling sums)."""
-    from shardwise.api import runtime_of
+    from shardwise.engine.runtime import runtime_of
 
     diff = torch.zeros(2, dtype=torch.float64)
     for unit in runtime_of(model).units:
-        for g in unit.groups:
+        for g in unit.flat_groups:
             for spec, p, (lo, hi, _) in zip(g.plan.params, g.shard_params, g.local_slices):
                 ref = reference.get_parameter(spec.fqn).detach().reshape(-1)[lo:hi].to(torch.float64)
                 diff += torch.stack([(p.detach().to(torch.float64) - ref).pow(2).sum(), ref.pow(2).sum()])

@@ -167,7 +167,7 @@ def test_a_dead_rank_makes_the_others_fail_fast_not_after_the_timeout():
 
 
 def _agree(rank: int, world: int, strategy: str = "full_shard") -> tuple[int, int]:
-    from shardwise.consistency import CollectiveChecker
+    from shardwise.engine.fingerprint import CollectiveChecker
 
     torch.manual_seed(0)
     model = GPT(CFG)
@@ -177,7 +177,7 @@ def _agree(rank: int, world: int, strategy: str = "full_shard") -> tuple[int, in
 
         options["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     shardwise.shard(model, units={Block}, strategy=strategy, **options)
-    checker = shardwise.api.runtime_of(model).units[0].groups[0].checker
+    checker = shardwise.engine.runtime.runtime_of(model).units[0].flat_groups[0].checker
     separate = []
     original = CollectiveChecker.check
     CollectiveChecker.check = lambda self, *a: (separate.append(a), original(self, *a))[1]
@@ -209,7 +209,7 @@ def test_replica_all_reduces_carry_their_fingerprint_in_band_too(strategy, world
 def test_in_band_fingerprint_digits_survive_every_float_dtype(dtype):
     """The header is base-256 digits: exact in bf16 (8-bit significand) and wider, so a fingerprint read
     back from a summed buffer decodes to exactly what was sent, large element counts included."""
-    from shardwise.consistency import SLOT, _decode, _encode
+    from shardwise.engine.fingerprint import SLOT, _decode, _encode
 
     values = [3_000_000_000, 2, 70_000, 5, 987_654_321_012, 1]
     digits = torch.tensor(_encode(values), dtype=dtype) + torch.zeros(SLOT, dtype=dtype)
@@ -225,7 +225,7 @@ def _native_case(rank: int, world: int, scenario: str, out_dir: str) -> dict:
     """One scenario on a fresh model after one healthy step (SGD with momentum). Returns the error text (or
     None), whether the optimizer was reached after the divergent backward, and whether every parameter is
     still what the healthy step left."""
-    from shardwise.api import runtime_of
+    from shardwise.engine.runtime import runtime_of
 
     torch.manual_seed(0)
     model = GPT(CFG)
@@ -235,7 +235,7 @@ def _native_case(rank: int, world: int, scenario: str, out_dir: str) -> dict:
     model(x, x).loss.backward()
     opt.step()
     opt.zero_grad()
-    shards = [g.shard for u in runtime_of(model).units for g in u.groups]  # what the optimizer updates
+    shards = [g.shard for g in runtime_of(model).flat_groups()]  # what the optimizer updates
     before = [t.clone() for t in shards]
     reached_optimizer = False
     start = time.monotonic()

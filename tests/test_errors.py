@@ -16,7 +16,6 @@ from harness import run_distributed
 from parity_utils import spawn_once
 from models import Block, GPT, gpt_loss, tiny_gpt_config
 from shardwise import ShardwiseError, Strategy
-
 WORLD_SIZE = 2
 VOCAB = tiny_gpt_config().vocab_size
 
@@ -111,7 +110,7 @@ def _upper_case_strategy_name() -> str:
     model = shardwise.shard(_gpt(), units={Block}, strategy="FULL_SHARD")
     x = torch.randint(0, VOCAB, (2, 8))
     gpt_loss(model, x, x).backward()
-    return shardwise.api.runtime_of(model).strategy.value
+    return shardwise.engine.runtime.runtime_of(model).strategy.value
 
 
 def _errors_worker(rank, ws):

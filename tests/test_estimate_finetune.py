@@ -7,13 +7,19 @@ from dataclasses import replace
 
 import pytest
 
-from shardwise.estimate import PlanInputs, fewest_ranks_that_fit, main, plan_memory
+from shardwise.planner.memory import PlanInputs, fewest_ranks_that_fit, main, plan_memory
+from shardwise.trainer.config import TrainConfig
 
 pytest.importorskip("peft")
 
 # Parameter counts published with the models (model cards / safetensors metadata).
 KNOWN_PARAMS = {"llama-2-7b": 6_738_415_616, "llama-3-8b": 8_030_261_248, "mistral-7b": 7_241_732_096,
                 "qwen2.5-7b": 7_615_616_512}
+
+
+def estimate(argv):
+    """`shardwise estimate-memory ARGV` as the CLI runs it (the trainer's defaults passed in)."""
+    return main(argv, TrainConfig())
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "llama-2-7b" else pytest.mark.slow)
@@ -59,7 +65,7 @@ def test_fine_tuning_on_four_24gb_gpus_verdict_matches_the_breakdown(model, caps
     args = ["--model", model, "--world-size", "4", "--dtype", case["dtype"], "--mixed-precision", "bf16",
             "--activation-checkpointing", "--batch-size", "1", "--seq-len", "2048", "--device-memory", "24GB"]
     args += ["--lora-r", str(case["lora_r"])] if "lora_r" in case else []
-    assert main(args + ["--json"]) == 0
+    assert estimate(args + ["--json"]) == 0
     p = json.loads(capsys.readouterr().out)
     assert p["fits"] is False and p["total_bytes"] > 24e9
     assert p["total_bytes"] == max(p["backward_peak_bytes"], p["optimizer_step_peak_bytes"])
@@ -75,7 +81,7 @@ def test_fine_tuning_on_four_24gb_gpus_verdict_matches_the_breakdown(model, caps
     cache: dict = {}
     assert plan_memory(replace(inputs, world_size=n), _cache=cache).total_bytes <= 24e9
     assert plan_memory(replace(inputs, world_size=n - 1), _cache=cache).total_bytes > 24e9
-    assert main(args) == 0
+    assert estimate(args) == 0
     text = capsys.readouterr().out
     assert "does NOT fit" in text and f"--world-size {n}" in text and "of host memory per rank" in text
     if "lora_r" in case:
@@ -90,5 +96,5 @@ def test_no_rank_count_fits_when_activations_alone_exceed_the_device():
 
 
 def test_lora_on_a_gpt_preset_is_refused(capsys):
-    assert main(["--model", "gpt-small", "--world-size", "2", "--lora-r", "8"]) == 2
+    assert estimate(["--model", "gpt-small", "--world-size", "2", "--lora-r", "8"]) == 2
     assert "--lora-r needs a Hugging Face model" in capsys.readouterr().err

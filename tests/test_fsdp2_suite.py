@@ -384,7 +384,7 @@ def grad_sync(ctx, model, sync: bool):
 @contextlib.contextmanager
 def count_reduce_scatters(ctx):
     """Gradient reduce-scatters while active: ``.calls`` and ``.numel`` (elements sent, padding included).
-    Ours are counted at shardwise.collectives (parity_utils.CollectiveCounter), FSDP2's at
+    Ours are counted at shardwise.engine.collectives (parity_utils.CollectiveCounter), FSDP2's at
     dist.reduce_scatter_single, which its default ReduceScatter calls."""
     if ctx.side == "shardwise":
         with CollectiveCounter() as c:
@@ -1693,11 +1693,11 @@ def gathered_bytes(ctx, model) -> int:
     """Bytes of full (unsharded) parameter storage alive now. Ours: every flat group's gathered buffer.
     FSDP2: every distinct storage behind its all-gather outputs and unsharded parameters."""
     if ctx.side == "shardwise":
-        from shardwise.api import runtime_of
+        from shardwise.engine.runtime import runtime_of
 
-        # The data part of each allocated buffer: the in-band fingerprint after it (consistency.py, a few
+        # The data part of each allocated buffer: the in-band fingerprint after it (fingerprint.py, a few
         # hundred bytes per unit) is no parameter memory.
-        return sum(g.plan.padded_numel * g.param_dtype.itemsize for u in runtime_of(model).units for g in u.groups
+        return sum(g.plan.padded_numel * g.param_dtype.itemsize for g in runtime_of(model).flat_groups()
                    if g.gathered.untyped_storage().nbytes())
     seen, total = set(), 0
     for m in model.modules():

@@ -39,7 +39,7 @@ from parity_utils import (GLOBAL_BATCH, assert_parity, global_mean, is_sharded, 
                           make_batches, make_optimizer, parity_check, rel_err, run_scenarios, scalar_rel_err,
                           scenario, sharded_param_errors, spawn_once, worst)
 from shardwise import ShardwiseError  # noqa: E402
-from shardwise.api import runtime_of  # noqa: E402
+from shardwise.engine.runtime import runtime_of  # noqa: E402
 
 HAVE_PEFT = importlib.util.find_spec("peft") is not None
 STEPS = 3
@@ -295,7 +295,7 @@ def _lora_scenario(rank, ws):
                 adapters_moved &= not torch.equal(sd[k], v)
             else:
                 frozen_same &= torch.equal(sd[k], v)
-    groups = [(g.plan.requires_grad, len(g.plan.params)) for u in runtime_of(model).units for g in u.groups]
+    groups = [(g.plan.requires_grad, len(g.plan.params)) for g in runtime_of(model).flat_groups()]
     return dict(metrics=metrics, unit_classes=_unit_classes(model), frozen_same=frozen_same,
                 adapters_moved=adapters_moved, n_lora=n_lora, grads_ok=all(grads_ok),
                 frozen_groups=sum(1 for rg, _ in groups if not rg), trainable_groups=sum(1 for rg, _ in groups if rg))

@@ -1,4 +1,4 @@
-"""shardwise.lora: peft LoRA under shard() trains like a single-process peft model (fp32 base and bf16 base,
+"""shardwise.hf.lora: peft LoRA under shard() trains like a single-process peft model (fp32 base and bf16 base,
 SGD with momentum and AdamW, world sizes 2 and 3), only adapters reach the trainer's optimizer, a meta-built
 peft model is initialised as peft would (B = 0: it starts equal to its base), and the exports load with
 peft (adapter directory) and with ``from_pretrained`` (merged) and give the trained model's logits.
@@ -61,8 +61,8 @@ def _logits(model, x):
 
 def _train(rank, ws, optimizer, base_dtype, out_dir=None):
     import shardwise
-    from shardwise.api import runtime_of
-    from shardwise.lora import LoraSettings, apply_lora, save_adapter, save_merged
+    from shardwise.engine.runtime import runtime_of
+    from shardwise.hf.lora import LoraSettings, apply_lora, save_adapter, save_merged
     from shardwise.trainer.config import TrainConfig
     from shardwise.trainer.loop import build_optimizer
 
@@ -82,7 +82,7 @@ def _train(rank, ws, optimizer, base_dtype, out_dir=None):
     # the trainer's optimizer holds the adapter shards and nothing else
     opt = build_optimizer(model, TrainConfig())
     in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
-    specs = [(spec.fqn, id(p)) for u in runtime_of(model).units for g in u.groups
+    specs = [(spec.fqn, id(p)) for g in runtime_of(model).flat_groups()
              for spec, p in zip(g.plan.params, g.shard_params)]
     out["optimizer_names_ok"] = all(("lora_" in fqn) == (pid in in_opt) for fqn, pid in specs)
     out["frozen_dtypes"] = sorted({str(p.dtype) for p in model.parameters() if not p.requires_grad})
@@ -108,8 +108,8 @@ def _train(rank, ws, optimizer, base_dtype, out_dir=None):
 def _meta_build(rank, ws):
     """A peft model built on meta and materialised inside shard(): adapters initialised the peft way."""
     import shardwise
-    from shardwise.hf_init import hf_param_init_fn
-    from shardwise.lora import LoraSettings, apply_lora, lora_param_init_fn
+    from shardwise.engine.hf_init import hf_param_init_fn
+    from shardwise.hf.lora import LoraSettings, apply_lora, lora_param_init_fn
 
     model = apply_lora(_base(device="meta"), LoraSettings(**SETTINGS))
     init = lora_param_init_fn(model, hf_param_init_fn(model, torch.device("cpu")))
@@ -177,7 +177,7 @@ def test_meta_built_peft_model_starts_equal_to_its_base(out_root):
 
 def _lora_on_pretrained(rank, world_size, directory):
     import shardwise
-    from shardwise.lora import LoraSettings, apply_lora, lora_param_init_fn, pretrained_name
+    from shardwise.hf.lora import LoraSettings, apply_lora, lora_param_init_fn, pretrained_name
     from transformers import AutoConfig, AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
@@ -193,7 +193,7 @@ def _lora_on_pretrained(rank, world_size, directory):
 
 def test_lora_model_loads_the_pretrained_base_and_starts_as_it(tmp_path):
     """The trainer's --model DIR --lora-r path: the base's shards come from the files (peft's names mapped by
-    shardwise.lora.pretrained_name), the adapters keep peft's init (B = 0): logits equal from_pretrained's."""
+    shardwise.hf.lora.pretrained_name), the adapters keep peft's init (B = 0): logits equal from_pretrained's."""
     from hf_dirs import make_model_dir
 
     directory = make_model_dir(str(tmp_path / "llama"), "llama")

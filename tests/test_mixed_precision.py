@@ -29,7 +29,7 @@ from harness import run_distributed
 from models import Block, GPT, gpt_loss, tiny_gpt_config
 from parity_utils import (global_mean, local_slice, make_batches, make_optimizer, scalar_rel_err, sharded_param_errors,
                           spawn_once, whole_model_rel_err, worst)
-from shardwise.api import runtime_of
+from shardwise.engine.runtime import runtime_of
 
 WORLD_SIZE = 2
 # ZeRO-2 gathers the bf16 copy once per step and keeps it: it must round exactly where full_shard does
@@ -101,7 +101,7 @@ def _mp_worker(rank, ws):
             errs = {k: [0.0, ("", 0.0), 0.0] for k in references}  # loss, worst tensor, whole model
             for step, (x, y) in enumerate(batches):
                 loss = gpt_loss(model, local_slice(x, rank, ws), local_slice(y, rank, ws))
-                seen["gathered"] = sorted({str(g.gathered.dtype) for u in runtime_of(model).units for g in u.groups})
+                seen["gathered"] = sorted({str(g.gathered.dtype) for g in runtime_of(model).flat_groups()})
                 loss.backward()
                 seen["grads"] = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})
                 opt.step()

@@ -27,8 +27,8 @@ from parity_utils import assert_engine_clean
 
 import shardwise
 from shardwise import ShardwiseError
-from shardwise.pretrained import check_loadable
-from shardwise.pretrained_files import PretrainedWeights
+from shardwise.hf.pretrained import check_loadable
+from shardwise.hf.weight_files import PretrainedWeights
 
 CASES = {  # name -> (family, shards, dtype)
     "llama-single-fp32": ("llama", False, None),
@@ -54,7 +54,6 @@ def meta_model(directory: str):
 
 def _load_worker(rank, world, dirs):
     from shardwise.checkpoint import safetensors_file
-
     read = {"bytes": 0}
     original = safetensors_file.SafetensorsFile._read_into
 
@@ -71,7 +70,7 @@ def _load_worker(rank, world, dirs):
         shardwise.load_pretrained(model, directory)
         with PretrainedWeights(directory) as w:
             itemsize = {k: info.dtype.itemsize for k, (_, info) in w.where.items()}
-        shard_elems = sum(hi - lo for u in shardwise.api.runtime_of(model).units for g in u.groups
+        shard_elems = sum(hi - lo for g in shardwise.engine.runtime.runtime_of(model).flat_groups()
                           for lo, hi, _ in g.local_slices)
         assert_engine_clean(model, "after load_pretrained")
         torch.manual_seed(0)
@@ -257,7 +256,7 @@ def test_unused_tensors_named_and_renamed_prefix_loads(model_dirs, tmp_path):
     onto the causal LM as from_pretrained maps it; extra tensors are returned (warned about) by name."""
     from safetensors.torch import load_file, save_file
 
-    from shardwise.pretrained import match, unsharded_targets
+    from shardwise.hf.pretrained import match, unsharded_targets
 
     d = _copy(model_dirs["llama-single-fp32"], tmp_path / "prefixless")
     tensors = load_file(os.path.join(d, "model.safetensors"))
@@ -314,7 +313,7 @@ def _memory_worker(rank, world, directory):
     shardwise.shard(model, param_init_fn=shardwise.skip_weight_init(model))
     shardwise.load_pretrained(model, directory)
     peak = status_bytes("VmHWM")
-    groups = [g for u in shardwise.api.runtime_of(model).units for g in u.groups]
+    groups = [g for g in shardwise.engine.runtime.runtime_of(model).flat_groups()]
     return {"increase": peak - before, "baseline": before,
             "shard_bytes": sum(g.shard.numel() * g.shard.element_size() for g in groups),
             "largest_tensor": max(p.numel * 4 for g in groups for p in g.plan.params),

@@ -20,7 +20,7 @@ from models import (Block, GPT, LoRABlock, LoRANet, MiniBlock, MixedDtypeBlock, 
                     SkippableGPT, forward_loss, gpt_loss, tiny_gpt_config)
 from parity_utils import (CollectiveCounter, assert_parity, is_sharded, local_slice, make_batches, parity_check,
                           rel_err, run_scenarios, scenario, simple_step, spawn_once)
-from shardwise.api import runtime_of
+from shardwise.engine.runtime import runtime_of
 
 WORLD_SIZE = 3
 VOCAB = tiny_gpt_config().vocab_size
@@ -62,7 +62,7 @@ def _lora_frozen(rank, ws):
     metrics, model, _ = parity_check(LoRANet(), simple_step(forward_loss), make_batches(STEPS, 31), rank, ws,
                                      shard_kwargs=dict(units={LoRABlock}))
     groups = [(u.label, g.plan.requires_grad, [s.fqn for s in g.plan.params], g.plan.padded_numel)
-              for u in runtime_of(model).units for g in u.groups]
+              for u in runtime_of(model).units for g in u.flat_groups]
     trainable_padded = sum(n for _, rg, _, n in groups if rg)
     x, y = make_batches(1, 31, seed=7)[0]
     with CollectiveCounter() as counter:
@@ -78,7 +78,7 @@ def _mixed_dtypes(rank, ws):
     initial = MixedDtypeNet()
     metrics, model, _ = parity_check(initial, simple_step(forward_loss), make_batches(STEPS, 23), rank, ws,
                                      shard_kwargs=dict(units={MixedDtypeBlock}))
-    unit_groups = [sorted((str(g.plan.dtype), g.plan.requires_grad) for g in u.groups) for u in runtime_of(model).units]
+    unit_groups = [sorted((str(g.plan.dtype), g.plan.requires_grad) for g in u.flat_groups) for u in runtime_of(model).units]
     sd = shardwise.full_state_dict(model)
     dtypes = {k: (str(v.dtype), str(initial.state_dict()[k].dtype)) for k, v in sd.items()}
     return dict(metrics=metrics, unit_groups=unit_groups[:-1], dtypes=dtypes)
@@ -100,7 +100,7 @@ def _several_forwards(rank, ws):
 
 def _buffer_states(model):
     return [(u.label, g.state.value, g.gathered.untyped_storage().nbytes()) for u in runtime_of(model).units
-            for g in u.groups]
+            for g in u.flat_groups]
 
 
 def _eval_then_train_step(model, batch, step, take):
@@ -150,7 +150,7 @@ def _frozen_middle_step(model, batch, step, take):
         def note_frozen_unit(module, args, output):
             if output.requires_grad:
                 output.register_hook(lambda g: _FROZEN_STATES.append(
-                    [(g.state.value, g.gathered.untyped_storage().nbytes()) for g in unit.groups]))
+                    [(g.state.value, g.gathered.untyped_storage().nbytes()) for g in unit.flat_groups]))
 
         handle = model.blocks[0].mlp.register_forward_hook(note_frozen_unit)
     loss = gpt_loss(model, take(x), take(y))

@@ -24,7 +24,6 @@ from models import GPT, Block, SkippableGPT, gpt_loss, tiny_gpt_config
 from parity_utils import (assert_engine_clean, assert_parity, is_sharded, local_slice, make_batches, parity_check,
                           rel_err, run_scenarios, scenario, simple_step, spawn_once)
 from shardwise import ShardwiseError
-
 WORLD_SIZE = 3
 VOCAB = tiny_gpt_config().vocab_size
 STEPS = 3

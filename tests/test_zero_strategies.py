@@ -36,7 +36,7 @@ from parity_utils import (
 )
 
 import shardwise
-from shardwise.api import runtime_of
+from shardwise.engine.runtime import runtime_of
 
 STRATEGIES = ("shard_optim", "shard_optim_grad")
 STEPS = 3
@@ -86,7 +86,7 @@ def _accumulate(strategy):
         batches = make_batches(STEPS, VOCAB, global_batch=24)
         metrics, model, _ = parity_check(initial, step, batches, rank, ws,
                                          shard_kwargs={"units": {Block}, "strategy": strategy})
-        groups = sum(len(u.groups) for u in runtime_of(model).units)
+        groups = sum(len(u.flat_groups) for u in runtime_of(model).units)
         return {"metrics": metrics, "counts": counts, "groups": groups}
     return run
 
@@ -95,7 +95,6 @@ def _refresh(strategy, root):
     """Every way the shards change between steps reaches the next forward (optimizer steps: the parity runs)."""
     def run(rank, ws):
         from shardwise.checkpoint import load_checkpoint, save_checkpoint
-
         initial = _initial()
         x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
         model = shardwise.shard(copy.deepcopy(initial), units={Block}, strategy=strategy)
@@ -141,9 +140,9 @@ def _memory(strategy):
         x = torch.randint(0, VOCAB, (2, 8))
         gpt_loss(model, x, x).backward()
         rt = runtime_of(model)
-        kept = all(g.gathered.untyped_storage().nbytes() > 0 for u in rt.units for g in u.groups)
+        kept = all(g.gathered.untyped_storage().nbytes() > 0 for g in rt.flat_groups())
         grad_bytes = {p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None}
-        groups = [g for u in rt.units for g in u.groups]
+        groups = [g for g in rt.flat_groups()]
         return {"kept": kept, "grad_bytes": sorted(grad_bytes),
                 "shard_bytes": sorted({4 * g.plan.shard_numel for g in groups}),
                 "full_bytes": sorted({4 * (g.plan.padded_numel + g.grad_header_numel) for g in groups})}

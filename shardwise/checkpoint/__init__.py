@@ -1,9 +1,9 @@
 """Sharded checkpoints: every rank writes its own pieces (safetensors + JSON, never pickle), any world size
 and strategy can load them, a commit protocol makes crashes lose nothing, every load verifies the whole
-checkpoint first (``verify``), and ``export`` writes a full model for inference or Hugging Face. See
+checkpoint first (``verify``), and ``export`` writes a full model (the command and the model checks:
+hf/export.py). See
 docs/CHECKPOINTS.md, which also states the trust model."""
 
-from shardwise.checkpoint.export import export_checkpoint, export_main
 from shardwise.checkpoint.load import CheckpointInfo, checkpoint_info, load_checkpoint
 from shardwise.checkpoint.manager import CheckpointManager, find_latest, list_checkpoints
 from shardwise.checkpoint.save import save_checkpoint
@@ -18,6 +18,4 @@ __all__ = [
     "CheckpointManager",
     "find_latest",
     "list_checkpoints",
-    "export_checkpoint",
-    "export_main",
 ]

@@ -93,3 +93,48 @@ def unwritable_dir_problem(path: Path) -> str | None:
     except OSError as e:
         return f"cannot write into {probe_in} ({e.strerror})"
     return None
+
+
+# ---- model directories (Hugging Face layout) --------------------------------------------------------
+
+# What export copies next to the weights: everything a tokenizer and generate() read from a model directory.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+RUN_MODEL_FILES = "hf_files"  # in a run directory: the model directory's tokenizer files, for export
+
+
+def resolve_inside(directory: Path, name: object, where: str) -> Path:
+    """The real path of file ``name`` of model directory ``directory``, refusing anything outside it."""
+    check_plain_name(name, where)
+    root = Path(directory).resolve()
+    real = (root / str(name)).resolve()
+    hub_blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    if real.parent != root and (hub_blobs is None or real.parent != hub_blobs):
+        raise ShardwiseError(f"{where}: {name!r} leads to {real}, outside the model directory {directory}; "
+                             f"refusing to read it (only files inside the directory, or a hub cache's blobs, are read)")
+    return real
+
+
+def exists(directory: Path, name: str) -> bool:
+    return os.path.lexists(Path(directory) / name)
+
+
+def copy_model_files(src: os.PathLike | str, dst: os.PathLike | str) -> list[str]:
+    """Copy the tokenizer and generation files (``TOKENIZER_FILES``) that ``src`` holds into ``dst``, each
+    checked to lie inside ``src`` and read without following links. Returns the names copied."""
+    import shutil
+
+    src, dst = Path(src), Path(dst)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if not exists(src, name):
+            continue
+        real = resolve_inside(src, name, str(src / name))
+        fd, _ = open_inside(real.parent, real.name, str(src / name))
+        os.makedirs(dst, exist_ok=True)
+        with os.fdopen(fd, "rb") as f_in, open(dst / name, "wb") as f_out:
+            shutil.copyfileobj(f_in, f_out)
+        copied.append(name)
+    return copied

@@ -4,7 +4,7 @@ refuse a model whose frozen parameters came from anywhere else.
 
 The record is what the caller gives ``save_checkpoint(frozen_base=...)``: ``source`` (where the weights
 are read from, for messages and for ``export --merge``) and ``weights_sha256`` (their identity, e.g.
-``shardwise.pretrained_files.weights_identity``), plus the dtype the frozen parameters had when saved,
+``shardwise.hf.weight_files.weights_identity``), plus the dtype the frozen parameters had when saved,
 which save adds. A load is given the same kind of record for the model it loads into, after the caller
 has filled the frozen parameters itself (``shardwise.load_pretrained``); only ``weights_sha256`` and the
 dtype must agree (a moved directory is the same base).

@@ -28,7 +28,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from shardwise.checkpoint import agree
+from shardwise.engine import agree
 from shardwise.checkpoint.format import dtype_from_name
 from shardwise.checkpoint.match import alias_map, check_model, decode_option, saved_name_of
 from shardwise.checkpoint.model_index import optimizer_param_names, persistent_buffers, unique_params
@@ -81,7 +81,7 @@ def load_checkpoint(
     are: load them first (``shardwise.load_pretrained``) and pass their ``frozen_base`` record, which
     must name the same weights (identity and dtype), else this raises before touching anything.
     """
-    from shardwise.api import runtime_of
+    from shardwise.engine.runtime import runtime_of
 
     ckpt = Path(path)
     rt = runtime_of(model)
@@ -184,7 +184,7 @@ def _read_all(manifest: dict, plan: _Plan, files: dict[str, SafetensorsFile], rt
 
 def _load_optimizer(manifest: dict, rt, optimizer: torch.optim.Optimizer, pieces: dict) -> None:
     """Build a torch optimizer state dict (integer ids, as torch expects) and hand it to load_state_dict,
-    which applies torch's own rules for state placement (e.g. Adam's ``step`` stays on the CPU). Groups,
+    which applies torch's own rules for state placement (e.g. Adam's ``step`` stays on the CPU). ProcessGroups,
     options and dtypes have been checked against this optimizer already (``match.check_model``)."""
     saved = manifest["optimizer"]
     names = optimizer_param_names(rt, optimizer)

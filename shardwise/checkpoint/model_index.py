@@ -10,14 +10,14 @@ import torch
 import torch.nn as nn
 
 from shardwise.errors import ShardwiseError
-from shardwise.flat_buffer import FlatGroup
-from shardwise.plan import ParamSpec
+from shardwise.engine.flat_group import FlatGroup
+from shardwise.engine.plan import ParamSpec
 
 
 def unique_params(rt) -> Iterator[tuple[ParamSpec, FlatGroup, int]]:
     """Every parameter once (tied ones under their first name), with its flat group and index in it."""
     for unit in rt.units:
-        for group in unit.groups:
+        for group in unit.flat_groups:
             for i, spec in enumerate(group.plan.params):
                 yield spec, group, i
 
@@ -26,7 +26,7 @@ def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
     """The optimizer class a checkpoint records and checks: the algorithm whose state it holds. An
     ``offload_optimizer`` holds exactly its inner class's state (one instance per flat group, one shared
     ``state``), so its checkpoints and a plain optimizer's of that class are interchangeable."""
-    from shardwise.optim.offload import OffloadOptimizer
+    from shardwise.optim.offload_optimizer import OffloadOptimizer
 
     if isinstance(optimizer, OffloadOptimizer):
         return optimizer.optimizer_cls.__name__

@@ -192,7 +192,7 @@ class SafetensorsFile:
     def update_fingerprint(self, digest, sample_bytes: int = 1 << 16) -> None:
         """Feed ``digest`` this file's size, its whole header (names, dtypes, shapes, offsets) and up to three
         ``sample_bytes`` samples of its data section (start, middle, end): a cheap identity of a big file,
-        see ``pretrained_files.weights_identity`` for what it does and does not tell apart."""
+        see ``weight_files.weights_identity`` for what it does and does not tell apart."""
         (n,) = struct.unpack("<Q", self._pread(8, 0))
         digest.update(struct.pack("<Q", self.size))
         digest.update(self._pread(8 + n, 0))

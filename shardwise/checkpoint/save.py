@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.checkpoint import agree
+from shardwise.engine import agree
 from shardwise.checkpoint.commit import write_commit_record
 from shardwise.checkpoint.frozen_base import check_record, frozen_dtype
 from shardwise.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TMP_PREFIX, TRASH_PREFIX,
@@ -46,7 +46,7 @@ from shardwise.checkpoint.model_index import (optimizer_class_name, optimizer_pa
                                               unique_params)
 from shardwise.checkpoint.values import encode, encode_scalar_tensor
 from shardwise.errors import ShardwiseError
-from shardwise.optimizer_guard import STAMP_KEY
+from shardwise.engine.optimizer_guard import STAMP_KEY
 
 PathLike = Union[str, os.PathLike]
 
@@ -71,7 +71,7 @@ def save_checkpoint(
     their identity): the parameters that do not require gradients are not stored, the record is; a load
     then needs the same base in the model (LoRA: the checkpoint holds the adapters only).
     """
-    from shardwise.api import runtime_of
+    from shardwise.engine.runtime import runtime_of
 
     final = Path(path)
     rt = runtime_of(model)
@@ -147,7 +147,7 @@ def _replace_dir(tmp: Path, final: Path) -> None:
 
 def _is_writer(rt) -> bool:
     """Replicas hold identical shards: only replicate index 0 writes them."""
-    return rt.groups.replicate is None or dist.get_rank(rt.groups.replicate) == 0
+    return rt.pgs.replicate is None or dist.get_rank(rt.pgs.replicate) == 0
 
 
 def _stored_params(rt, omit_frozen: bool):
@@ -245,8 +245,7 @@ def _no_tensors(where: str, t: torch.Tensor) -> str:
 def _manifest(indexes: list[dict], rt, model: nn.Module, optimizer, step: Optional[int], world: int,
               frozen_base: Optional[dict]) -> dict:
     """Merge the ranks' indexes into the one description loaders read."""
-    from shardwise import __version__
-
+    from shardwise.version import __version__
     params: dict[str, Any] = {}
     for spec, _group, _i in _stored_params(rt, frozen_base is not None):
         params[spec.fqn] = {
@@ -275,8 +274,8 @@ def _manifest(indexes: list[dict], rt, model: nn.Module, optimizer, step: Option
         "step": step,
         "world_size": world,
         "strategy": rt.strategy.value,
-        "shard_size": rt.groups.shard_size,
-        "replicate_size": rt.groups.replicate_size,
+        "shard_size": rt.pgs.shard_size,
+        "replicate_size": rt.pgs.replicate_size,
         "model": describe(model),
         "files": {ix["file"]: {"rank": ix["rank"], "bytes": ix["bytes"], "sha256": ix["sha256"]} for ix in indexes},
         "params": params,

@@ -24,9 +24,9 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 
 from shardwise.errors import ShardwiseError
-from shardwise.logical_shapes import ParamInfo, layout_of, param_info
+from shardwise.engine.logical_shapes import ParamInfo, layout_of, param_info
 from shardwise.optim import exchange
-from shardwise.optimizer_guard import allow_optimizer
+from shardwise.engine.optimizer_guard import allow_optimizer
 from shardwise.optim.newton_schulz import DEFAULT_COEFFICIENTS, DEFAULT_EPS, DEFAULT_STEPS, orthogonalize
 
 UseMuon = Callable[[str, ParamInfo], bool]
@@ -159,7 +159,7 @@ class Muon(torch.optim.Optimizer):
         found = {}
         for g in self.param_groups:
             for p in g["params"]:
-                groups = layout_of(p)[0].groups
+                groups = layout_of(p)[0].pgs
                 found.setdefault(id(groups.shard), groups)
         if len(found) > 1:
             raise ShardwiseError("Muon: the parameters come from models sharded over different process groups; "

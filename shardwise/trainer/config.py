@@ -20,11 +20,8 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from shardwise.strategy import ALIASES as STRATEGY_ALIASES, STRATEGY_NAMES
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message says what is valid."""
+from shardwise.engine.strategy import ALIASES as STRATEGY_ALIASES, STRATEGY_NAMES
+from shardwise.usage import ConfigError
 
 
 @dataclass

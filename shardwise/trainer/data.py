@@ -24,6 +24,8 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from shardwise.hf.model_spec import IGNORE_INDEX
+
 BYTE_VOCAB = 256
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".toml", ".yaml", ".yml", ".html", ".js")
@@ -177,7 +179,6 @@ class BatchSampler:
             yield self.batch(step=0, micro=i)
 
 
-IGNORE_INDEX = -100  # a target the loss skips (torch's cross_entropy default ignore_index)
 
 
 class PackedSampler:

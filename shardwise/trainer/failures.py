@@ -14,11 +14,11 @@ import os
 import sys
 from pathlib import Path
 
-from shardwise.checkpoint.agree import DEBUG_ENV, describe_exception
+from shardwise.engine.agree import DEBUG_ENV, describe_exception
 from shardwise.errors import ShardwiseError
 from shardwise.trainer.config import ConfigError
 from shardwise.trainer.data import DataError
-from shardwise.trainer.model_factory import ModelError
+from shardwise.hf.model_spec import ModelError
 
 ERROR_DIR_ENV = "SHARDWISE_ERROR_DIR"
 # Problems with what the user gave us: their messages are complete as they are.

@@ -177,7 +177,7 @@ def from_run(path: Path, tokenizer: str, chat: bool) -> Generator:
     from shardwise.trainer.config import TrainConfig, load_toml
     from shardwise.trainer.jsonl_data import tokenizer_dir
     from shardwise.trainer.loop import build_sharded_model
-    from shardwise.trainer.model_factory import ModelError, lm_logits, resolve_model
+    from shardwise.hf.model_spec import ModelError, lm_logits, resolve_model
 
     run_dir = _run_config_dir(path)
     values, _ = load_toml(str(run_dir / "config.toml"))
@@ -201,7 +201,7 @@ def from_run(path: Path, tokenizer: str, chat: bool) -> Generator:
 
 
 def from_export(path: Path, tokenizer: str, chat: bool) -> Generator:
-    from shardwise.trainer.hf_model import hf_max_positions
+    from shardwise.hf.config_model import hf_max_positions
 
     if (path / "config.json").is_file():
         from transformers import AutoModelForCausalLM

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from shardwise.trainer.config import ConfigError
+from shardwise.usage import ConfigError
 
 FSDP_STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard")
 FSDP_WORDS = FSDP_STRATEGIES + ("offload", "auto_wrap")

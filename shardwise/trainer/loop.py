@@ -20,7 +20,7 @@ import random
 import sys
 import time
 from contextlib import nullcontext
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,28 +29,21 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import shardwise
-from shardwise.api import runtime_of
-from shardwise.device import compute_device
+from shardwise.engine.runtime import runtime_of
+from shardwise.engine.device import compute_device
+from shardwise.engine.mixed_precision import named_policy
 from shardwise.trainer import config as config_mod
 from shardwise.trainer import failures, launch, metrics, plot, preflight, schedule, state
 from shardwise.trainer.config import TrainConfig
 from shardwise.trainer.lora_model import wrap_lora
 from shardwise.trainer.loss import global_loss_targets, loss_targets, micro_batch_loss
-from shardwise.trainer.model_factory import ModelSpec, lm_loss, resolve_model
+from shardwise.hf.model_spec import ModelSpec, lm_loss, resolve_model
 from shardwise.trainer.sources import Sampler, open_training_data
-
-_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def mixed_precision_of(name: str) -> Optional[shardwise.MixedPrecision]:
-    dtype = _DTYPES[name]
-    return None if dtype is None else shardwise.MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
 def build_sharded_model(cfg: TrainConfig, spec: ModelSpec, device: torch.device) -> nn.Module:
@@ -69,7 +62,7 @@ def build_sharded_model(cfg: TrainConfig, spec: ModelSpec, device: torch.device)
         model,
         units=units,
         strategy=cfg.sharding_strategy,
-        mixed_precision=mixed_precision_of(cfg.mixed_precision),
+        mixed_precision=named_policy(cfg.mixed_precision),
         offload=shardwise.CPUOffload() if cfg.cpu_offload else None,
         param_init_fn=init_fn,
         device=device,
@@ -77,7 +70,7 @@ def build_sharded_model(cfg: TrainConfig, spec: ModelSpec, device: torch.device)
     )
     # --model DIR with weights: each rank reads its own shards (the base's, under LoRA: adapters keep peft's init)
     if cfg.lora_r:
-        from shardwise.lora import pretrained_name
+        from shardwise.hf.lora import pretrained_name
 
         spec.load_weights(model, rename=pretrained_name)
     else:
@@ -94,7 +87,6 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
             (decay if shardwise.param_info(p).ndim >= 2 else no_decay).append(p)
     if cfg.optimizer == "muon":
         from shardwise.optim import Muon
-
         # Moonshot's lr scaling makes Muon's update RMS match AdamW's, so AdamW's lr and weight decay carry over.
         groups = [{"params": decay, "weight_decay": cfg.weight_decay, "adamw_weight_decay": cfg.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0, "adamw_weight_decay": 0.0}]
@@ -236,7 +228,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             if last:
                 summary["checkpoint"] = str(path)
                 if cfg.lora_r:  # the adapters as peft saves them: PeftModel.from_pretrained(base, run/adapter)
-                    from shardwise.lora import save_adapter
+                    from shardwise.hf.lora import save_adapter
 
                     save_adapter(model, os.path.join(cfg.out, "adapter"))
                     summary["adapter"] = os.path.join(cfg.out, "adapter")

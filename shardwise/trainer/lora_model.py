@@ -1,4 +1,4 @@
-"""``--lora-r``: the trainer's model wrapped by peft LoRA (``shardwise.lora``) before it is sharded."""
+"""``--lora-r``: the trainer's model wrapped by peft LoRA (``shardwise.hf.lora``) before it is sharded."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import torch
 from torch import nn
 
 from shardwise.trainer.config import ConfigError, TrainConfig
-from shardwise.trainer.model_factory import ModelSpec
+from shardwise.hf.model_spec import ModelSpec
 
 
 def wrap_lora(cfg: TrainConfig, spec: ModelSpec, model: nn.Module, init_fn: Callable[[nn.Module], None] | None,
               on_meta: bool) -> tuple[nn.Module, Callable[[nn.Module], None] | None]:
     """(peft model, its ``param_init_fn``). Before shard(): the frozen base then costs no gradient memory or
     traffic. On meta, the adapters are initialised inside shard() the way peft initialises them."""
-    from shardwise.lora import LoraSettings, apply_lora, lora_param_init_fn
+    from shardwise.hf.lora import LoraSettings, apply_lora, lora_param_init_fn
 
     if spec.kind != "hf":
         raise ConfigError(f"--lora-r {cfg.lora_r}: LoRA needs a Hugging Face model (--model DIR or "

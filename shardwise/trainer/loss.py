@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise.trainer.data import IGNORE_INDEX
-from shardwise.trainer.model_factory import ModelSpec, lm_loss
+from shardwise.hf.model_spec import ModelSpec, lm_loss
 
 
 def loss_targets(targets: Sequence[torch.Tensor]) -> int:

@@ -21,7 +21,7 @@ import torch.nn as nn
 from shardwise.trainer.config import ConfigError, TrainConfig
 from shardwise.trainer.data import BYTE_VOCAB, DataError, open_splits, rank_bounds
 from shardwise.trainer.jsonl_data import check_files, is_jsonl_source, load_tokenizer
-from shardwise.trainer.model_factory import ModelError, ModelSpec, resolve_model
+from shardwise.hf.model_spec import ModelError, ModelSpec, resolve_model
 from shardwise.trainer.sources import open_streams
 
 RANKS_PER_CORE = 4  # local gloo ranks beyond this many per core only wait on each other until they time out
@@ -89,7 +89,7 @@ def build_meta(cfg: TrainConfig, spec: ModelSpec) -> nn.Module:
 def check_weights(cfg: TrainConfig, spec: ModelSpec, model: nn.Module) -> None:
     """--model DIR with weights: headers, index, names and shapes against the meta model, no tensor data read."""
     from shardwise.errors import ShardwiseError
-    from shardwise.pretrained import check_loadable
+    from shardwise.hf.pretrained import check_loadable
 
     if spec.weights_dir is None:
         return

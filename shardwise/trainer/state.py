@@ -32,7 +32,6 @@ _SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "
 
 def _manager(run_dir: str):
     from shardwise.checkpoint import CheckpointManager
-
     # Checkpoints sit directly in the run directory (step-XXXXXXXX/, latest), so `shardwise export RUN_DIR`
     # finds the newest one.
     return CheckpointManager(Path(run_dir))
@@ -85,8 +84,8 @@ def restore_training_state(run_dir: str, resume: str, model: nn.Module, optimize
     return (step to continue after, a note for the user or None). ``resume=''`` or 'latest' with no
     checkpoint yet returns (0, note). Collective; raises ShardwiseError on every rank for a checkpoint that
     is damaged or does not fit."""
-    from shardwise.checkpoint import agree, checkpoint_info, load_checkpoint
-
+    from shardwise.engine import agree
+    from shardwise.checkpoint import checkpoint_info, load_checkpoint
     if not resume:
         return 0, None
     if resume in ("latest", "auto", "true"):

@@ -13,8 +13,7 @@ from harness import run_distributed
 
 
 def test_export_run_dir_sharded_with_index(run_dir, tmp_path):
-    from shardwise.checkpoint import export_checkpoint
-
+    from shardwise import export_checkpoint
     path, results = run_dir
     expected = results[0][5]  # full state dict after step 4, the newest checkpoint in the run directory
     files = export_checkpoint(path, tmp_path / "out", max_shard_bytes=40_000)
@@ -33,10 +32,9 @@ def test_export_run_dir_sharded_with_index(run_dir, tmp_path):
 
 
 def test_export_cli_single_file(run_dir, tmp_path, capsys):
-    from shardwise.checkpoint.export import export_main
+    from shardwise.hf.export import export_main
 
-    from shardwise.checkpoint import export_checkpoint
-
+    from shardwise import export_checkpoint
     path, results = run_dir
     export_checkpoint(path, tmp_path / "o", max_shard_bytes=40_000)  # an earlier, sharded export
     assert export_main([str(path / "step-00000003"), str(tmp_path / "o"), "--dtype", "bf16"]) == 0
@@ -71,8 +69,7 @@ def test_export_hugging_face_model_loads_with_from_pretrained(tmp_path):
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
 
-    from shardwise.checkpoint import export_checkpoint
-
+    from shardwise import export_checkpoint
     reference, logits = run_distributed(_save_hf, 2, str(tmp_path))[0]
     export_checkpoint(tmp_path / "hf-ckpt", tmp_path / "hf")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")

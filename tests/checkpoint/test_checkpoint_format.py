@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardwise.checkpoint.export import parse_size
+from shardwise.usage import parse_size
 from shardwise.checkpoint.format import write_safetensors
 from shardwise.checkpoint.values import decode, encode
 from shardwise.errors import ShardwiseError

@@ -52,7 +52,7 @@ HEADROOM = 2 << 30  # address space a load may add
 def _trainer_objects(seed: int):
     from shardwise.trainer.config import TrainConfig
     from shardwise.trainer.loop import build_optimizer, build_sharded_model
-    from shardwise.trainer.model_factory import resolve_model
+    from shardwise.hf.model_spec import resolve_model
 
     cfg = TrainConfig(model="gpt-tiny", seed=seed)
     spec = resolve_model(cfg.model)
@@ -65,7 +65,7 @@ def _train_and_save(root: Path, rank: int) -> None:
     import shardwise
     from shardwise.trainer import state
     from shardwise.trainer.loop import seed_everything
-    from shardwise.trainer.model_factory import lm_loss
+    from shardwise.hf.model_spec import lm_loss
 
     seed_everything(0)
     spec, model, opt = _trainer_objects(0)
@@ -451,7 +451,7 @@ def _dir_bytes(path: Path) -> dict[str, bytes]:
 def _fuzz(rank: int, world_size: int, root: str, first_seed: int, schedule: list[str]):
     import torch.distributed as dist
 
-    from shardwise.checkpoint import export_checkpoint, load_checkpoint
+    from shardwise import export_checkpoint, load_checkpoint
     from shardwise.errors import ShardwiseError
     from shardwise.trainer import state
 

@@ -12,7 +12,6 @@ from harness import run_distributed
 
 def _save_at_4(rank, world_size, root):
     from shardwise.checkpoint import save_checkpoint
-
     out = {}
     for tag, strategy, mesh in (("full", "full_shard", None), ("hybrid", "hybrid_shard", (2, 2)),
                                 ("zero2", "shard_optim_grad", None)):
@@ -27,7 +26,6 @@ def _save_at_4(rank, world_size, root):
 
 def _load_and_continue(rank, world_size, root, src, strategy, mesh):
     from shardwise.checkpoint import load_checkpoint, save_checkpoint
-
     model, opt = build(strategy, mesh, seed=123)  # different init: everything must come from the checkpoint
     extra = load_checkpoint(f"{root}/{src}", model, opt)
     loaded = full_params(model)
@@ -69,7 +67,6 @@ def test_reshard_on_load(saved_at_4, world_size, src, strategy, mesh):
 
 def _resume_bitwise(rank, world_size, root):
     from shardwise.checkpoint import load_checkpoint, save_checkpoint
-
     model, opt = build()
     for step in (1, 2):
         train_step(model, opt, step, rank, world_size)

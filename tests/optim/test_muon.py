@@ -74,7 +74,6 @@ def _parity(rank, ws, factory, units, loss_fn, vocab, *, opts=FP32_NS, micro=1, 
     """Train sharded Muon and the reference side by side; the worst per-parameter shard error over all steps."""
     import shardwise
     from shardwise.optim import Muon
-
     torch.manual_seed(0)
     initial = factory()
     ref = copy.deepcopy(initial)
@@ -113,7 +112,7 @@ def _parity(rank, ws, factory, units, loss_fn, vocab, *, opts=FP32_NS, micro=1, 
 def _give_sharded_grads(model, ref) -> None:
     """Set the reference's gradients to the sharded run's, gathered whole over each shard group."""
     import shardwise
-    from shardwise.logical_shapes import layout_of
+    from shardwise.engine.logical_shapes import layout_of
 
     named = dict(ref.named_parameters())
     for name, p in model.named_parameters():
@@ -123,7 +122,7 @@ def _give_sharded_grads(model, ref) -> None:
         info = shardwise.param_info(p)
         full = torch.zeros(info.numel, dtype=p.grad.dtype)
         full[info.offset:info.offset + info.local_numel] = p.grad
-        group = layout_of(p)[0].groups.shard
+        group = layout_of(p)[0].pgs.shard
         if group is not None:
             dist.all_reduce(full, group=group)
         named[name].grad = full.view(info.shape).to(named[name].dtype)
@@ -133,7 +132,6 @@ def _counted_step(rank, ws):
     """One step with the collectives and Newton–Schulz calls counted: 2 all-to-alls, each matrix once."""
     import shardwise
     from shardwise.optim import Muon, muon as muon_mod
-
     torch.manual_seed(0)
     model = shardwise.shard(GPT(tiny_gpt_config()), units={Block})
     opt = Muon(model.parameters(), ns_dtype=torch.float32)
@@ -166,7 +164,6 @@ def _checkpoint(rank, ws, phase, ckpt_dir):
     exactly as the uninterrupted reference does, so every piece of Muon and AdamW state came back."""
     import shardwise
     from shardwise.optim import Muon
-
     torch.manual_seed(0)
     initial = GPT(tiny_gpt_config(tie_weights=True))
     # Saved under ZeRO-3, resumed under ZeRO-2: the checkpoint reshards across world sizes and strategies.

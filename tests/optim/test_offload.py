@@ -108,7 +108,7 @@ def _parity(rank, ws, strategy="full_shard", optimizer="adamw", clip=None, micro
 
 def _bookkeeping(rank, ws):
     """Three steps of the offload pipeline with its trace on: what each step did, in order."""
-    from shardwise.api import runtime_of
+    from shardwise.engine.runtime import runtime_of
 
     model, opt = _offloaded("full_shard", "adamw", None)
     transfers = runtime_of(model).transfers
@@ -131,8 +131,8 @@ def _bookkeeping(rank, ws):
         transfers.trace.clear()
 
     _train(rank, ws, model, opt, micro=1, on_step=on_step)
-    units = {u.groups[0].ids: u.label for u in runtime_of(model).units}
-    groups = len([g for u in runtime_of(model).units for g in u.groups])
+    units = {u.flat_groups[0].ids: u.label for u in runtime_of(model).units}
+    groups = len([g for g in runtime_of(model).flat_groups()])
     return {"steps": per_step, "units": units, "groups": groups, "window": transfers.window}
 
 

@@ -129,7 +129,7 @@ def _save_tiny(rank, world_size, root):
     from shardwise.trainer import state
     from shardwise.trainer.config import TrainConfig
     from shardwise.trainer.loop import build_optimizer, build_sharded_model
-    from shardwise.trainer.model_factory import resolve_model
+    from shardwise.hf.model_spec import resolve_model
 
     cfg = TrainConfig(model="gpt-tiny")
     model = build_sharded_model(cfg, resolve_model(cfg.model), torch.device("cpu"))

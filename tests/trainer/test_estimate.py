@@ -7,14 +7,21 @@ import os
 import pytest
 
 from harness import run_distributed
-from shardwise.estimate import PlanInputs, main, parse_size, plan_memory
+from shardwise.planner.memory import PlanInputs, main, plan_memory
+from shardwise.trainer.config import TrainConfig
+from shardwise.usage import parse_size
 
 LLAMA_70B = dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                  num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
 
 
+def estimate(argv):
+    """`shardwise estimate-memory ARGV` as the CLI runs it (the trainer's defaults passed in)."""
+    return main(argv, TrainConfig())
+
+
 def test_json_has_the_plan_fields(capsys):
-    assert main(["--model", "gpt-small", "--world-size", "2", "--json"]) == 0
+    assert estimate(["--model", "gpt-small", "--world-size", "2", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     for key in ("param_shard_bytes", "grad_shard_bytes", "optim_shard_bytes", "gathered_unit_bytes",
                 "activation_bytes", "total_bytes"):
@@ -26,7 +33,7 @@ def test_json_has_the_plan_fields(capsys):
 
 
 def test_human_readable_output(capsys):
-    assert main(["--model", "gpt-34m", "--world-size", "4", "--mixed-precision", "bf16"]) == 0
+    assert estimate(["--model", "gpt-34m", "--world-size", "4", "--mixed-precision", "bf16"]) == 0
     text = capsys.readouterr().out
     for row in ("parameter shards", "gradient shards", "optimizer shards", "largest unit, gathered",
                 "prefetched unit, gathered", "activations", "total per rank"):
@@ -60,7 +67,7 @@ def test_70b_on_512_ranks_from_our_own_plan(tmp_path, capsys):
     pytest.importorskip("transformers")
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(LLAMA_70B))
-    assert main(["--model", str(cfg), "--world-size", "512", "--dtype", "bf16", "--mixed-precision", "bf16",
+    assert estimate(["--model", str(cfg), "--world-size", "512", "--dtype", "bf16", "--mixed-precision", "bf16",
                  "--batch-size", "1", "--seq-len", "4096", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert 69e9 < plan["num_params"] < 72e9
@@ -77,13 +84,13 @@ def test_activation_checkpointing_cuts_planned_activations():
 
 
 def test_fit_verdict_and_suggestions(capsys):
-    assert main(["--model", "gpt-1b", "--world-size", "1", "--device-memory", "8GB"]) == 0
+    assert estimate(["--model", "gpt-1b", "--world-size", "1", "--device-memory", "8GB"]) == 0
     text = capsys.readouterr().out
     assert "does NOT fit" in text and "what would fit:" in text and "--world-size" in text
-    assert main(["--model", "gpt-1b", "--world-size", "64", "--device-memory", "80GB"]) == 0
+    assert estimate(["--model", "gpt-1b", "--world-size", "64", "--device-memory", "80GB"]) == 0
     assert "fits in --device-memory" in capsys.readouterr().out
     assert parse_size("24GiB") == 24 * 2**30 and parse_size("80GB") == 80 * 10**9
-    assert main(["--model", "nope", "--world-size", "2"]) == 2
+    assert estimate(["--model", "nope", "--world-size", "2"]) == 2
 
 
 # ---- validation against measured memory ----------------------------------------------------------------
@@ -113,7 +120,7 @@ def _measure_worker(rank, world, model_path, warm_path, batch, seq, ac, steps):
     import shardwise
     from shardwise.trainer.config import TrainConfig
     from shardwise.trainer.loop import build_optimizer, build_sharded_model
-    from shardwise.trainer.model_factory import lm_loss, resolve_model
+    from shardwise.hf.model_spec import lm_loss, resolve_model
 
     x = torch.randint(0, 256, (batch, seq))
     y = torch.randint(0, 256, (batch, seq))

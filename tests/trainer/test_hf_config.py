@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from harness import run_distributed  # noqa: E402
-from shardwise.trainer.model_factory import ModelError, resolve_model  # noqa: E402
+from shardwise.hf.model_spec import ModelError, resolve_model  # noqa: E402
 
 LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=320, max_position_embeddings=128, rms_norm_eps=1e-5)
@@ -48,7 +48,7 @@ def test_bad_configs_rejected(tmp_path):
 
 def _meta_init_worker(rank, world, path):
     import shardwise
-    from shardwise.trainer.model_factory import lm_loss
+    from shardwise.hf.model_spec import lm_loss
 
     spec = resolve_model(path)
     torch.manual_seed(0)

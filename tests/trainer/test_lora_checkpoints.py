@@ -83,7 +83,7 @@ def _reshard(rank, world, root, model_dir):
     """Load the ws2 run's step-2 checkpoint at this world size (the frozen base from DIR) and save it again."""
     from shardwise.checkpoint import load_checkpoint, save_checkpoint
     from shardwise.trainer.loop import build_optimizer, build_sharded_model
-    from shardwise.trainer.model_factory import resolve_model
+    from shardwise.hf.model_spec import resolve_model
 
     cfg = _config(pathlib.Path(root), model_dir, "fp32")
     spec = resolve_model(cfg.model)
@@ -152,7 +152,7 @@ def bf16_runs(model_dirs):
 
 
 def test_checkpoints_hold_only_the_adapters_and_the_base_identity(runs):
-    from shardwise.pretrained_files import weights_identity
+    from shardwise.hf.weight_files import weights_identity
 
     root, model_dir, _, _ = runs
     manifest = json.loads((root / "unbroken-fp32" / "step-00000004" / "manifest.json").read_text())
@@ -214,7 +214,7 @@ def test_export_writes_the_peft_adapter_and_the_merged_model(runs, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from shardwise.checkpoint.export import export_checkpoint, export_main
+    from shardwise.hf.export import export_checkpoint, export_main
 
     root, model_dir, _, _ = runs
     run = root / "unbroken-fp32"
@@ -242,7 +242,7 @@ def test_export_writes_the_peft_adapter_and_the_merged_model(runs, tmp_path):
 
 
 def test_export_misuse_is_one_line(runs, tmp_path, capsys):
-    from shardwise.checkpoint.export import export_main
+    from shardwise.hf.export import export_main
 
     root, _, _, _ = runs
     run = root / "unbroken-fp32"
@@ -260,7 +260,7 @@ def test_export_misuse_is_one_line(runs, tmp_path, capsys):
 def test_generate_from_the_run_uses_the_base_and_the_adapters(runs, tmp_path):
     """`shardwise generate RUN` rebuilds the base from --model DIR under the adapter-only checkpoint: greedy text
     equal to the merged export's."""
-    from shardwise.checkpoint.export import export_checkpoint
+    from shardwise.hf.export import export_checkpoint
     from shardwise.trainer import config as config_mod
     from shardwise.trainer.generate import generate_text
 

@@ -18,7 +18,7 @@ def _masked_parity_worker(rank, world):
         loss_targets,
         micro_batch_loss,
     )
-    from shardwise.trainer.model_factory import ModelSpec
+    from shardwise.hf.model_spec import ModelSpec
 
     # No biases: the attention key bias has a gradient that is zero in theory, which AdamW turns from
     # rounding noise into visible steps (tests/test_parity.py excludes it the same way).

@@ -19,7 +19,7 @@ import hf_dirs
 from harness import run_distributed
 
 from shardwise.trainer.config import TrainConfig
-from shardwise.trainer.model_factory import ModelError, resolve_model
+from shardwise.hf.model_spec import ModelError, resolve_model
 
 
 def _train_worker(rank, world, cfg_values):
@@ -43,7 +43,7 @@ def test_lr0_run_exports_the_input_weights_bitwise(tmp_path):
     values exactly, so the fp32 export equals the input bit for bit."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shardwise.checkpoint.export import export_checkpoint
+    from shardwise.hf.export import export_checkpoint
 
     model_dir = hf_dirs.make_model_dir(str(tmp_path / "qwen2"), "qwen2", shards=True, dtype=torch.bfloat16)
     data = tmp_path / "text.txt"

@@ -23,7 +23,7 @@ def _shardwise(*args, cwd):
 
 @pytest.mark.slow  # two ranks plus the launcher, each importing torch and transformers (~35 s)
 def test_hf_command_line_trains_on_jsonl_and_generate_reads_run_and_export(tmp_path, capsys, monkeypatch):
-    from shardwise.checkpoint import export_checkpoint
+    from shardwise import export_checkpoint
     from shardwise.cli import main
     from shardwise.trainer.generate import generate_text
 

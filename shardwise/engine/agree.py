@@ -1,0 +1,132 @@
+"""Collective agreement on errors and small JSON messages, without pickle.
+
+A checkpoint problem is often seen by one rank only (its file is the truncated one). Raising there alone
+would leave the other ranks blocked in their next collective until the timeout; instead every step of
+save and load ends in ``raise_if_any``, which all ranks call, so either all go on or all raise the same
+``ShardwiseError``. Text travels as UTF-8 bytes in uint8 tensors (torch's object collectives pickle).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import traceback
+from typing import Any, Callable, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from shardwise.engine.collectives import broadcast_text
+from shardwise.engine.fingerprint import check_collective
+from shardwise.engine.device import communication_device
+from shardwise.errors import ShardwiseError
+
+T = TypeVar("T")
+DEBUG_ENV = "SHARDWISE_DEBUG"
+# Which agreement collective comes next, in the fingerprint's size field (fingerprint.check_collective): a
+# rank raising while another gathers JSON fails by name instead of pairing two different collectives.
+_RAISE_IF_ANY, _GATHER_JSON, _BROADCAST_JSON = 1, 2, 3  # the switch behind the CLI's --debug: tracebacks instead of one line
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def comm_device() -> torch.device:
+    """Where the small tensors of these collectives live: NCCL only moves CUDA tensors."""
+    return communication_device()
+
+
+def raise_if_any(problem: Optional[str]) -> None:
+    """Every rank calls this; if any rank has a problem, every rank raises the lowest such rank's text."""
+    if not is_distributed():
+        if problem:
+            raise ShardwiseError(problem)
+        return
+    check_collective("checkpoint", _RAISE_IF_ANY)  # a rank here alone fails by name, not in a mismatched collective
+    me, n = dist.get_rank(), dist.get_world_size()
+    device = comm_device()
+    flag = torch.tensor([me if problem else n], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    first = int(flag.item())
+    if first == n:
+        return
+    text = broadcast_text(problem if me == first else None, src=first, device=device)
+    raise ShardwiseError(text)
+
+
+def attempt(fn: Callable[[], T], what: str) -> tuple[Optional[T], Optional[str]]:
+    """Run ``fn``; return (result, None) or (None, error text) instead of raising, for ``raise_if_any``.
+
+    The text is one line (a full disk must not hide behind a traceback): the step, the rank and, for an
+    OSError, the file and the system's reason. ``SHARDWISE_DEBUG=1`` appends the traceback."""
+    try:
+        return fn(), None
+    except ShardwiseError as e:
+        return None, str(e)
+    except Exception as e:  # an OSError on one rank must still reach the others as text
+        text = f"{what} failed on rank {rank()}: {describe_exception(e)}"
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            text += "\n" + traceback.format_exc(limit=3)
+        return None, text
+
+
+def describe_exception(e: BaseException) -> str:
+    """``OSError: [ENOSPC] No space left on device: '/x/rank-0.safetensors'`` rather than a traceback."""
+    if isinstance(e, OSError) and e.strerror:
+        code = errno.errorcode.get(e.errno, str(e.errno))
+        return f"{type(e).__name__}: [{code}] {e.strerror}" + (f": {e.filename!r}" if e.filename else "")
+    return f"{type(e).__name__}: {e}"
+
+
+def agreed(fn: Callable[[], T], what: str) -> T:
+    """``fn()`` on every rank, raising everywhere together if it fails anywhere."""
+    result, problem = attempt(fn, what)
+    raise_if_any(problem)
+    return result  # type: ignore[return-value]
+
+
+def gather_json(obj: Any, dst: int = 0) -> Optional[list[Any]]:
+    """Every rank's JSON-able ``obj``, in rank order, on ``dst`` (None elsewhere)."""
+    data = json.dumps(obj, allow_nan=True).encode("utf-8")
+    if not is_distributed():
+        return [json.loads(data)]
+    check_collective("checkpoint", _GATHER_JSON)
+    n, device = dist.get_world_size(), comm_device()
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
+    dist.all_gather(lengths, length)
+    sizes = [int(t.item()) for t in lengths]
+    longest = max(sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    # all_gather rather than gather: NCCL has no gather, and this is a few kilobytes per rank.
+    bufs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(n)]
+    dist.all_gather(bufs, buf.to(device))
+    if dist.get_rank() != dst:
+        return None
+    return [json.loads(b[:size].cpu().numpy().tobytes().decode("utf-8")) for b, size in zip(bufs, sizes)]
+
+
+def broadcast_json(obj: Any, src: int = 0) -> Any:
+    if not is_distributed():
+        return obj
+    check_collective("checkpoint", _BROADCAST_JSON)
+    text = broadcast_text(json.dumps(obj, allow_nan=True) if dist.get_rank() == src else None, src=src,
+                          device=comm_device())
+    return json.loads(text)
+
+
+def barrier() -> None:
+    if is_distributed():
+        raise_if_any(None)

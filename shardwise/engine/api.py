@@ -1,0 +1,194 @@
+"""The public entry points: ``shard`` and ``no_sync`` (``clip_grad_norm_`` is in grad_norm.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardwise.engine import device as devices, logical_shapes, materialize, optimizer_guard
+from shardwise.engine.buffer_broadcast import BufferBroadcast
+from shardwise.engine.activation_checkpoint import checkpoint_unit
+from shardwise.engine.fingerprint import CollectiveChecker, check_same_plan, checks_enabled
+from shardwise.errors import ShardwiseError
+from shardwise.engine.flat_group import FlatGroup
+from shardwise.engine.mixed_precision import MixedPrecision
+from shardwise.engine.cpu_offload import CPUOffload
+from shardwise.engine.offload_transfers import OffloadTransfers
+from shardwise.engine.param_hooks import adopt_tensor_hooks
+from shardwise.engine.plan import UnitsSpec, build_plan, entry_modules
+from shardwise.engine.runtime import STATE_ATTR, ModelRuntime, Unit, runtime_of
+from shardwise.engine.strategy import Strategy, resolve_groups
+
+def shard(
+    model: nn.Module,
+    units: Optional[UnitsSpec] = "auto",
+    strategy: Union[str, Strategy] = "full_shard",
+    mesh=None,
+    mixed_precision: Optional[MixedPrecision] = None,
+    offload: Optional[CPUOffload] = None,
+    *,
+    sync_module_states: bool = False,
+    param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+    device: Optional[Union[str, torch.device]] = None,
+    prefetch: bool = True,
+    activation_checkpointing: bool = False,
+    broadcast_buffers: bool = True,
+) -> nn.Module:
+    """Shard ``model`` in place across the ranks of ``mesh`` (default: the whole world) and return it.
+
+    Args:
+        units: what becomes a unit (one all-gather / reduce-scatter each): a set of module classes, a
+            callable ``(module) -> bool``, or ``"auto"`` (Hugging Face ``_no_split_modules``, else the
+            children of the largest ``nn.ModuleList``). Parameters outside every unit form the root unit.
+        strategy: full_shard (ZeRO-3), shard_grad_op (FSDP's ZeRO-2: parameters gathered once per step),
+            shard_optim_grad (DeepSpeed's ZeRO-2: full parameters kept across steps, gradients and optimizer
+            state sharded), shard_optim (ZeRO-1: only optimizer state and masters sharded), no_shard (DDP),
+            hybrid_shard, hybrid_shard_zero2; aliases zero1/zero2/zero3/ddp and FSDP1's upper-case names
+            are accepted (see strategy.py for what each keeps and sends).
+        mesh: a 1-D ``DeviceMesh``, or 2-D ``("replicate", "shard")`` for the hybrid strategies.
+        mixed_precision: gather/compute dtype and gradient-reduction dtype; masters stay in their dtype.
+        offload: ``CPUOffload()`` keeps shards, gradients and the optimizer step on the CPU.
+        sync_module_states: take rank 0's parameters and buffers (other ranks may be on the meta device).
+        param_init_fn: initialises a module's own parameters when the model is on the meta device
+            (default: ``module.reset_parameters()``).
+        device: compute device; default: the parameters' accelerator, else ``cuda:<current>`` when the
+            process group moves CUDA tensors over NCCL, else CPU (``shardwise.engine.device.compute_device``).
+        prefetch: start the next unit's all-gather before the current one computes.
+        activation_checkpointing: recompute each (non-root) unit's activations in backward instead of
+            keeping them.
+        broadcast_buffers: before every forward, give every rank rank 0's buffers (BatchNorm running
+            statistics, ...), as DDP does by default, so that ranks evaluate alike and checkpoints hold what
+            every rank used. ``False`` keeps each rank's own buffers.
+
+    After this call ``model.parameters()`` are the 1-D local shards (names unchanged); build the optimizer
+    from them. During a unit's forward its parameters are full-shape views of a gathered buffer.
+    """
+    if hasattr(model, STATE_ATTR):
+        raise ShardwiseError(f"shardwise.shard() was already called on this {type(model).__name__} (or on a model "
+                             f"that contains it); call it once, on the whole model")
+    strategy = Strategy.parse(strategy)
+    mp = mixed_precision or MixedPrecision()
+    pgs = resolve_groups(strategy, mesh)
+    compute_device = _resolve_device(model, device, pgs)
+
+    is_meta = any(p.is_meta for p in model.parameters())
+    plan = build_plan(model, units, pgs.shard_size)
+    state_dict_keys = list(model.state_dict(keep_vars=True).keys())
+    flat_groups = {id(gp): FlatGroup(gp, pgs, compute_device, mp, offload, keep_gathered=strategy.keeps_params_gathered,
+                                     all_reduce_grads=strategy.all_reduces_grads)
+                   for gp in plan.groups()}
+    all_groups = list(flat_groups.values())
+    logical_shapes.register(all_groups)  # shardwise.param_info(p): each shard parameter's logical shape
+
+    if sync_module_states:
+        materialize.fill_from_rank0(model, all_groups, compute_device)
+    elif is_meta:
+        materialize.fill_from_meta(model, all_groups, compute_device, param_init_fn)
+    else:
+        materialize.fill_from_full_params(all_groups)
+    if not sync_module_states:
+        for mod in model.modules():
+            for n, b in list(mod._buffers.items()):
+                if b is not None and b.device != compute_device and not b.is_meta:
+                    mod._buffers[n] = b.to(compute_device)
+
+    # The original parameter objects are retired: their memory is released, and an optimizer that still
+    # holds them (built before shard) is caught at its first step instead of silently doing nothing.
+    for gp in plan.groups():
+        for spec, shard_param in zip(gp.params, flat_groups[id(gp)].shard_params):
+            old = spec.refs[0].module._parameters[spec.refs[0].name]
+            adopt_tensor_hooks(old, shard_param)  # p.register_hook before shard() keeps working
+            old.data = torch.empty(0, dtype=old.dtype, device=old.device)
+            old._shardwise_retired = spec.fqn
+    optimizer_guard.install()  # retired parameters, optimizer classes, whose state (optimizer_guard.py)
+
+    runtime = ModelRuntime(strategy, pgs, mp, prefetch)
+    if offload is not None:
+        runtime.transfers = OffloadTransfers(compute_device, offload)
+        runtime.before_forward.append(runtime.transfers.rotate)
+        for g in all_groups:
+            g.transfers = runtime.transfers
+    if checks_enabled():
+        check_same_plan(_describe_plan(plan, strategy, pgs), _world_if_many())
+        runtime.checker = CollectiveChecker([u.label for u in plan.units], lambda: runtime.phase.value,
+                                            lambda: runtime.forward_count)
+        for ui, up in enumerate(plan.units):
+            for gi, gp in enumerate(up.groups):
+                flat_groups[id(gp)].attach_checker(runtime.checker, ui, gi)
+    for up in plan.units:
+        unit = Unit(up, [flat_groups[id(gp)] for gp in up.groups], runtime)
+        runtime.units.append(unit)
+        unit.bind_sharded()
+        up.module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
+        up.module.register_forward_hook(unit.post_forward, with_kwargs=True, always_call=True)
+        if activation_checkpointing and not up.is_root:
+            checkpoint_unit(unit)
+    # Modules that hold a unit's parameters enter the unit when called on their own (see runtime.py,
+    # [Note: entries]): an encoder called by generate(), a head called directly, a recompute.
+    for module, ui in entry_modules(plan):
+        unit = runtime.units[ui]
+        module.register_forward_pre_hook(unit.pre_submodule, with_kwargs=True)
+        module.register_forward_hook(unit.post_forward, with_kwargs=True, always_call=True)
+    runtime.plan = plan
+    runtime.state_dict_keys = state_dict_keys
+    runtime.device = compute_device
+    if broadcast_buffers and pgs.data_parallel_size > 1:
+        sync = BufferBroadcast(model, runtime)
+        if sync.buffers:
+            runtime.before_forward.append(sync)
+    for m in model.modules():
+        setattr(m, STATE_ATTR, runtime)  # runtime_of(any submodule): summon_full_params(model.encoder)
+        # transformers' generate() keeps ranks stepping together (synced_gpus) for models it sees as
+        # FSDP-managed: otherwise a rank that reaches EOS first stops calling forward and the others hang.
+        m._is_fsdp_managed_module = True
+    return model
+
+
+def _world_if_many():
+    return dist.group.WORLD if dist.get_world_size() > 1 else None
+
+
+def _describe_plan(plan, strategy: Strategy, pgs) -> str:
+    lines = [f"{strategy.value} shard={pgs.shard_size} replicate={pgs.replicate_size}"]
+    for u in plan.units:
+        for g in u.groups:
+            lines.append(f"unit {u.label} {g.dtype} rg={g.requires_grad}")
+            lines.extend(f"  {p.fqn} {tuple(p.shape)}" for p in g.params)
+    return "\n".join(lines)
+
+
+def _resolve_device(model: nn.Module, device, pgs) -> torch.device:
+    real: dict[torch.device, str] = {}
+    meta_name = None
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            meta_name = meta_name or name
+        else:
+            real.setdefault(p.device, name)
+    if len(real) > 1:
+        listing = ", ".join(f"{n!r} on {d}" for d, n in real.items())
+        raise ShardwiseError(f"parameters are on different devices ({listing}); move the model to one device first")
+    if real and meta_name is not None:
+        (d, n), = real.items()
+        raise ShardwiseError(
+            f"parameters are on different devices: {meta_name!r} on meta and {n!r} on {d}; build the whole "
+            f"model on the meta device (shard() then materialises it) or none of it"
+        )
+    return devices.compute_device(real, pgs.shard or pgs.replicate, explicit=device)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally (unsharded, in the reduce dtype) without communicating them; the first
+    backward outside the context reduces everything accumulated so far."""
+    rt = runtime_of(model)
+    previous = rt.require_grad_sync
+    rt.require_grad_sync = False
+    try:
+        yield
+    finally:
+        rt.require_grad_sync = previous

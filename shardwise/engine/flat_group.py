@@ -1,0 +1,494 @@
+"""One flat group's memory: the persistent shard, the transient gathered buffer, and gradient reduction.
+
+Buffer lifetimes (N = shard group size, P = padded numel of the group)::
+
+    shard      P/N elements, master dtype, lives as long as the model. Each parameter's shard is an
+               nn.Parameter *view* of it, so the optimizer updates it in place and the next all-gather
+               reads the updated values with no copy-in.
+    gathered   P elements, compute dtype. Allocated by unshard (storage resized up), filled by one
+               all-gather, freed by reshard (storage resized to 0). Module parameters are views of it
+               (no copy-out). The storage object itself survives, so tensors autograd saved in forward
+               point at valid memory again once backward re-gathers into it. ZeRO-1/2
+               (``keep_gathered``): never freed; refilled by the first unshard after the shard changed
+               (an optimizer step, a synced backward, a load: see ``refresh_due``).
+    grad flat  P elements, reduce dtype. Packed from the unit's gradients in backward, consumed by one
+               reduce-scatter, freed when that finishes.
+    header     N x fingerprint.SLOT elements after ``gathered`` and ``grad flat`` (and R x SLOT after
+               ``grad shard`` for the all-reduce over R replicas), only where the collective runs as a
+               gloo all-reduce and the consistency check is on: every rank's fingerprint of the
+               collective, carried in band (see fingerprint.py).
+    grad shard P/N elements. The reduce-scatter output; each parameter's ``.grad`` is a view of it.
+               ZeRO-1 (``all_reduce_grads``): the whole all-reduced gradient (P) stays alive behind these
+               views, as ZeRO-1 keeps full gradients, until the ``.grad`` are dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+import weakref
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardwise.engine import collectives
+from shardwise.engine.fingerprint import SLOT, CollectiveChecker, Stamp
+from shardwise.engine.device import backend_for
+from shardwise.errors import ShardwiseError
+from shardwise.engine.mixed_precision import MixedPrecision
+from shardwise.engine.cpu_offload import CPUOffload
+from shardwise.engine.param_hooks import full_grad, has_tensor_hooks, hooked_piece, refuse_under_no_sync, tensor_hooks
+from shardwise.engine.plan import FlatGroupPlan
+from shardwise.engine.shard_grad import as_shard_grad, register_group
+from shardwise.engine.strategy import ProcessGroups
+
+
+class GatherState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"  # all-gather issued, not yet waited on
+    GATHERED = "gathered"
+    FAILED = "failed"  # the all-gather's wait raised before it completed: the buffer is never freed or reused
+
+
+class FlatGroup:
+    def __init__(
+        self,
+        plan: FlatGroupPlan,
+        groups: ProcessGroups,
+        device: torch.device,
+        mixed_precision: MixedPrecision,
+        offload: Optional[CPUOffload],
+        keep_gathered: bool = False,
+        all_reduce_grads: bool = False,
+    ):
+        self.plan = plan
+        self.wants_kept_gathered = keep_gathered  # ZeRO-1/2: see strategy.Strategy.keeps_params_gathered
+        self.all_reduce_grads = all_reduce_grads and groups.shard is not None  # ZeRO-1
+        self.pgs = groups  # the process groups it shards and replicates over
+        # Gradients are handed out as ShardGrads (exact under torch's norms) where the shard group has ranks.
+        self.grad_key = register_group(groups.shard, device) if groups.shard is not None else 0
+        self.device = device
+        self.offload = offload
+        self.transfers = None  # offload_transfers.OffloadTransfers of the model, set by shard() under offload
+        self.mixed_precision = mixed_precision
+        start, end = plan.shard_range(groups.shard_rank)
+        self.shard_start = start
+        self.local_slices: list[tuple[int, int, int]] = []  # per param: (lo, hi) in the param, offset in shard
+        for spec in plan.params:
+            lo, hi = spec.local_range(start, end)
+            self.local_slices.append((lo, hi, spec.offset + lo - start if hi > lo else 0))
+        self.shard_params: list[nn.Parameter] = [
+            nn.Parameter(torch.empty(0, dtype=plan.dtype), requires_grad=spec.requires_grad) for spec in plan.params]
+        # The autograd input of this group's UnshardParams (runtime.py): an empty leaf that needs a gradient.
+        self.grad_anchor = torch.empty(0, device=device, requires_grad=True)
+        self._allocate(plan.dtype, [None] * len(plan.params))
+        self._gather_work = None
+        self._gather_src: Optional[torch.Tensor] = None  # keeps a cast/moved shard alive during the collective
+        self._gather_stamp: Optional[Stamp] = None
+        self._unsynced_grad: Optional[torch.Tensor] = None  # no_sync accumulation, unsharded, reduce dtype
+        self._warned_frozen = False
+        self.checker: Optional[CollectiveChecker] = None
+        self.ids = (0, 0)  # (unit index, group index within the unit)
+        # In-band fingerprint room after the data (see fingerprint.py): in the gathered buffer and the
+        # grad flat for the shard group's collectives, after the grad shard for the replica all-reduce.
+        self.header_numel = 0
+        self.replica_header_numel = 0
+        self.grad_header_numel = 0  # room after the grad flat: for its reduce-scatter, or the all-reduce
+        self._in_band: dict[str, tuple[list[int], int]] = {}  # op -> (global ranks of its group, my slot)
+
+    def _allocate(self, dtype: torch.dtype, values: list[Optional[torch.Tensor]]) -> None:
+        """(Re)build the shard in master ``dtype`` and the gathered buffer in its compute dtype; each shard
+        parameter becomes its view of the new shard, holding ``values[i]`` (or zeros)."""
+        plan = self.plan
+        plan.dtype = dtype
+        for spec in plan.params:
+            spec.dtype = dtype
+        self.param_dtype = self.mixed_precision.compute_dtype(dtype)
+        self.reduce_dtype = self.mixed_precision.grad_reduce_dtype(dtype)
+        if self.offload is not None:
+            self.shard = self.offload.allocate(plan.shard_numel, dtype, self.device)
+        else:
+            self.shard = torch.empty(plan.shard_numel, dtype=dtype, device=self.device)
+        self.shard.zero_()  # padding stays zero forever: checksums and exports are deterministic
+        for p, (lo, hi, at), value in zip(self.shard_params, self.local_slices, values):
+            piece = self.shard.narrow(0, at, hi - lo)
+            if value is not None:
+                piece.copy_(value)
+            p.data = piece
+        # Where each shard parameter's data must stay: a conversion after shard() (model.half(), p.data = ...)
+        # moves it, and forward would silently keep computing with the flat shard (see changed_param).
+        # The storage, not the data pointer: a rank's empty piece has data_ptr 0 whatever it points into, and
+        # the verdict must be the same on every rank (one rank raising alone would leave the others waiting).
+        self._param_homes = [_home(p) for p in self.shard_params]
+
+        # With one rank per shard group, no cast and no offload, the "gathered" buffer *is* the shard:
+        # nothing to communicate and nothing to free (no_shard / DDP).
+        self.aliases_shard = self.pgs.shard_size == 1 and self.param_dtype == dtype and self.offload is None
+        if self.aliases_shard:
+            self.gathered = self.shard
+            self.state = GatherState.GATHERED
+        else:
+            self.gathered = torch.empty(plan.padded_numel, dtype=self.param_dtype, device=self.device)
+            # Collectives write through a second tensor on the same storage: it has its own version
+            # counter, so refilling the buffer in backward does not trip autograd's check that saved
+            # tensors (views of `gathered`) were not modified in place.
+            self._writer = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
+                self.gathered.untyped_storage(), 0, (plan.padded_numel,), (1,)
+            )
+            self.gathered.untyped_storage().resize_(0)
+            self.state = GatherState.SHARDED
+        # ZeRO-1/2 keep the gathered buffer across steps (nothing to keep when it is the shard itself).
+        self.keep_gathered = self.wants_kept_gathered and not self.aliases_shard
+        self.refresh_due = True  # the gathered buffer does not hold the shard's current values
+        self._gathered_from: Optional[tuple] = None  # the shard's versions when it was last gathered
+        if self.keep_gathered:
+            _KEPT_GATHERED.add(self)
+            _refresh_after_optimizer_steps()
+
+    def shard_version(self) -> tuple:
+        """Changes whenever the shard is written in place (optimizer step, load, user code under no_grad)."""
+        return (version_counter(self.shard),) + tuple(version_counter(p) for p in self.shard_params)
+
+    def gathered_is_current(self) -> bool:
+        """ZeRO-1/2: whether the kept gathered buffer still holds the shard's values. ``refresh_due`` is the
+        rank-consistent signal (a synced backward, an optimizer step, a load: all ranks see them alike);
+        the version counters also catch in-place writes by user code between steps."""
+        return not self.refresh_due and self._gathered_from == self.shard_version()
+
+    def converted_dtype(self) -> Optional[torch.dtype]:
+        """The floating dtype every shard parameter was converted to after shard() by ``model.to(dtype)``,
+        ``.double()``, ``.half()`` (same device, same shape, new storage), or None if that is not what
+        happened. Rank-independent: dtype, device and shape are the same on every rank."""
+        dtypes = {p.dtype for p in self.shard_params}
+        if len(dtypes) != 1:
+            return None
+        (dtype,) = dtypes
+        if dtype == self.plan.dtype or not dtype.is_floating_point or not self.plan.dtype.is_floating_point:
+            return None
+        for p, (lo, hi, _) in zip(self.shard_params, self.local_slices):
+            if p.device != self.shard.device or tuple(p.shape) != (hi - lo,):
+                return None
+        return dtype
+
+    def adopt_conversion(self, dtype: torch.dtype) -> None:
+        """Follow a whole-model dtype conversion made after shard() (as torch FSDP2 does): a new flat
+        shard in ``dtype`` holding the converted values, the gathered buffer in the new compute dtype.
+        Called at a step boundary (the group is sharded, or kept gathered, with no collective in flight)."""
+        assert self.aliases_shard or self.state is GatherState.SHARDED or (
+            self.keep_gathered and self.state is GatherState.GATHERED), self.state
+        values = [p.detach() for p in self.shard_params]
+        grads = [p.grad for p in self.shard_params]
+        self._allocate(dtype, values)
+        for p, g in zip(self.shard_params, grads):
+            p.grad = None if g is None else g.to(dtype)
+        if self._unsynced_grad is not None:
+            self._unsynced_grad = self._unsynced_grad.to(self.reduce_dtype)
+        if self.checker is not None:
+            self.attach_checker(self.checker, *self.ids)
+
+    def attach_checker(self, checker: CollectiveChecker, unit_index: int, group_index: int) -> None:
+        """Fingerprint every collective of this group from now on (see fingerprint.py). The fingerprint
+        rides in band wherever the collective is a gloo all-reduce: a sum that can carry it and that the
+        CPU reads back anyway (under NCCL reading it back would stall the CPU on the GPU)."""
+        self.checker, self.ids = checker, (unit_index, group_index)
+        self.header_numel = self.replica_header_numel = self.grad_header_numel = 0
+        self._in_band.clear()
+        shard, replicate = self.pgs.shard, self.pgs.replicate
+        if not carries_digits(self.param_dtype):
+            return  # bool / int8 cannot hold the digits 0-255 exactly under a sum: the side exchange checks
+        if shard is not None and collectives.gathers_by_all_reduce(shard, self.device):
+            slots = (dist.get_process_group_ranks(shard), self.pgs.shard_rank)
+            self._in_band["all_gather"] = self._in_band["reduce_scatter"] = slots
+            self.header_numel = len(slots[0]) * SLOT
+            self._writer = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
+                self.gathered.untyped_storage(), 0, (self.plan.padded_numel + self.header_numel,), (1,)
+            )
+            if self.state is GatherState.SHARDED:
+                self.gathered.untyped_storage().resize_(0)  # set_ grew the storage to fit: free it again
+        if replicate is not None and backend_for(replicate, self.device) == "gloo":
+            self._in_band["all_reduce"] = (dist.get_process_group_ranks(replicate), dist.get_rank(replicate))
+            self.replica_header_numel = len(self._in_band["all_reduce"][0]) * SLOT
+        if self.all_reduce_grads and backend_for(shard, self.device) == "gloo":
+            # ZeRO-1's gradient all-reduce runs over the shard group (no replicas): a gloo all-reduce always.
+            self._in_band["all_reduce"] = (dist.get_process_group_ranks(shard), self.pgs.shard_rank)
+            self.grad_header_numel = len(self._in_band["all_reduce"][0]) * SLOT
+        elif shard is None:
+            self.grad_header_numel = self.replica_header_numel
+        else:
+            self.grad_header_numel = self.header_numel
+
+    def _announce(self, op: str, numel: int, dtype: torch.dtype) -> Optional[Stamp]:
+        """Fingerprint the collective about to be issued: returns the header it must carry in band, or
+        None when it is exchanged out of band (or not checked)."""
+        if self.checker is None:
+            return None
+        if op in self._in_band:
+            ranks, my_slot = self._in_band[op]
+            return self.checker.stamp(op, self.ids[0], self.ids[1], numel, ranks, my_slot, dtype, self.device)
+        self.checker.check(op, self.ids[0], self.ids[1], numel)
+        return None
+
+    def _wait_checked(self, work, op: str, stamp: Optional[Stamp], buffer: Optional[torch.Tensor]) -> None:
+        """Wait for a collective; an in-band fingerprint arrives with the data and is checked before the
+        result is used. Out-of-band fingerprints are compared once per phase and at the end of backward,
+        before any gradient is handed out (fingerprint.py)."""
+        collectives.wait(work, what=self._what(op))
+        if stamp is not None:
+            self.checker.verify_stamp(stamp, buffer)
+
+    def _what(self, op: str) -> str:
+        return f"{op} of unit {self.plan.unit_fqn or '<root>'!r} ({self.plan.dtype}, {self.plan.padded_numel} elements)"
+
+    # ---- parameters -------------------------------------------------------------------------------
+    def any_requires_grad(self) -> bool:
+        """Read at every forward: parameters may be frozen or unfrozen after shard()."""
+        return any(p.requires_grad for p in self.shard_params)
+
+    def changed_param(self) -> Optional[int]:
+        """Index of the first shard parameter whose data is no longer its piece of the flat shard, or None."""
+        for i, (p, home) in enumerate(zip(self.shard_params, self._param_homes)):
+            if _home(p) != home:
+                return i
+        return None
+
+    def full_views(self) -> list[torch.Tensor]:
+        """Fresh full-shape views of the gathered buffer, one per parameter (valid while gathered)."""
+        g = self.gathered
+        return [g.narrow(0, s.offset, s.numel).view(s.shape) for s in self.plan.params]
+
+    def gather_full(self) -> torch.Tensor:
+        """The whole group in its master dtype, in a new buffer (padding included): for state dicts and
+        summon_full_params. Fingerprinted like the unit's own all-gather."""
+        if self.pgs.shard is None:
+            return self.shard.clone()
+        padded = self.plan.padded_numel
+        stamp = self._announce("all_gather", padded, self.plan.dtype)  # in band, or the side exchange
+        full = torch.empty(padded + (stamp.header.numel() if stamp else 0), dtype=self.plan.dtype,
+                           device=self.shard.device)
+        work = collectives.all_gather_into(full, self.shard, self.pgs.shard, async_op=True,
+                                           header=stamp.header if stamp else None)
+        self._wait_checked(work, "all_gather", stamp, full)
+        return full.narrow(0, 0, padded)
+
+    # ---- unshard / reshard ------------------------------------------------------------------------
+    def begin_unshard(self) -> None:
+        if self.state is GatherState.FAILED:
+            raise ShardwiseError(f"{self._what('all_gather')} failed earlier and never completed; the process "
+                                 f"group is unusable from there on: restart the job")
+        if self.state is GatherState.GATHERED and self.keep_gathered and not self.gathered_is_current():
+            self.state = GatherState.SHARDED  # ZeRO-1/2 after a step: refill the kept buffer
+        if self.state is not GatherState.SHARDED:
+            return
+        storage = self.gathered.untyped_storage()
+        storage.resize_((self.plan.padded_numel + self.header_numel) * self.param_dtype.itemsize)
+        src = self.shard
+        if self.transfers is not None:
+            src = self.transfers.shard_on_device(self)  # copied ahead on a side stream; waited here
+        elif src.device != self.device:
+            src = src.to(self.device, non_blocking=True)
+        if src.dtype != self.param_dtype:
+            src = src.to(self.param_dtype)
+        if self.pgs.shard is None:
+            self._writer.copy_(src)
+        else:
+            stamp = self._announce("all_gather", self.plan.padded_numel, self.param_dtype)
+            self._gather_work = collectives.all_gather_into(
+                self._writer, src, self.pgs.shard, async_op=True, header=stamp.header if stamp else None)
+            self._gather_src, self._gather_stamp = src, stamp
+        self.state = GatherState.GATHERING
+        self.refresh_due, self._gathered_from = False, self.shard_version()
+
+    def wait_unshard(self) -> None:
+        if self.state is GatherState.GATHERING:
+            work, stamp = self._gather_work, self._gather_stamp
+            self._gather_work = self._gather_src = self._gather_stamp = None
+            try:
+                self._wait_checked(work, "all_gather", stamp, self._writer)
+            except BaseException:
+                # A stalled or mismatched all-gather may still write into the buffer: never free it, and
+                # never wait on it a second time (a failed forward's always-called exit reshards).
+                self.state = GatherState.GATHERED if work is None or work.is_completed() else GatherState.FAILED
+                raise
+            self.state = GatherState.GATHERED
+
+    def reshard(self) -> None:
+        if self.aliases_shard or self.state in (GatherState.SHARDED, GatherState.FAILED):
+            return
+        self.wait_unshard()  # never free memory a collective is still writing into
+        if self.keep_gathered:
+            return  # ZeRO-1/2: kept until the next step's first unshard refills it
+        self.gathered.untyped_storage().resize_(0)
+        self.state = GatherState.SHARDED
+
+    # ---- gradients --------------------------------------------------------------------------------
+    def reduce_grads(self, grads: Sequence[Optional[torch.Tensor]], sync: bool) -> Optional["PendingReduce"]:
+        """Pack this group's unsharded gradients and start their reduce-scatter (or keep them, under no_sync)."""
+        if not self._warned_frozen and not all(p.requires_grad for p in self.shard_params):
+            self._warned_frozen = True
+            frozen = [s.fqn for s, p in zip(self.plan.params, self.shard_params) if not p.requires_grad]
+            warnings.warn(
+                f"shardwise: {len(frozen)} parameter(s) of unit {self.plan.unit_fqn or '<root>'!r} (first "
+                f"{frozen[0]!r}) were frozen after shard() while others in their flat group still train: they "
+                f"stay frozen and training is exact, but their zero gradients still travel in the unit's "
+                f"reduce-scatter; set requires_grad before shardwise.shard() to save that traffic", stacklevel=2)
+        # Without a shard group the grad flat is itself what the replicas all-reduce: room for that header.
+        buffer = torch.empty(self.plan.padded_numel + self.grad_header_numel, dtype=self.reduce_dtype, device=self.device)
+        flat = buffer.narrow(0, 0, self.plan.padded_numel)
+        for spec, g in zip(self.plan.params, grads):
+            dst = flat.narrow(0, spec.offset, spec.numel)
+            if g is None:
+                dst.zero_()  # parameter unused in this forward: it contributes zero
+            else:
+                dst.copy_(g.reshape(-1))
+        flat.narrow(0, self.plan.numel, self.plan.padded_numel - self.plan.numel).zero_()
+        if self._unsynced_grad is not None:
+            flat.add_(self._unsynced_grad)
+            self._unsynced_grad = None
+        if not sync:
+            refuse_under_no_sync(self)
+            self._unsynced_grad = flat
+            return None
+        dp = self.pgs.data_parallel_size
+        # Low-precision sums divide first so they cannot overflow; fp32 divides once at the end, which
+        # keeps results closest to a single-process mean over the global batch.
+        pre_divide = self.reduce_dtype.itemsize < 4 and dp > 1
+        if pre_divide:
+            flat.div_(dp)
+        if self.pgs.shard is None:
+            return PendingReduce(self, None, buffer, self.plan.padded_numel, None, divide_by=1 if pre_divide else dp)
+        if self.all_reduce_grads:
+            # ZeRO-1: every rank gets the whole summed gradient; its grad shard is a view of its chunk.
+            stamp = self._announce("all_reduce", self.plan.padded_numel, self.reduce_dtype)
+            work = collectives.all_reduce_sum(buffer, self.pgs.shard, async_op=True,
+                                              header=stamp.header if stamp else None)
+            return PendingReduce(self, buffer, buffer, self.plan.shard_numel, work, divide_by=1 if pre_divide else dp,
+                                 stamp=stamp, op="all_reduce", out_offset=self.shard_start)
+        out_buffer = torch.empty(self.plan.shard_numel + self.replica_header_numel, dtype=self.reduce_dtype,
+                                 device=self.device)
+        out = out_buffer.narrow(0, 0, self.plan.shard_numel)
+        stamp = self._announce("reduce_scatter", self.plan.padded_numel, self.reduce_dtype)
+        work = collectives.reduce_scatter_into(out, buffer, self.pgs.shard, async_op=True,
+                                               header=stamp.header if stamp else None)
+        return PendingReduce(self, buffer, out_buffer, self.plan.shard_numel, work,
+                             divide_by=1 if pre_divide else dp, stamp=stamp)
+
+    def accumulate_grad_shard(self, grad_shard: torch.Tensor) -> None:
+        """Give each trainable shard parameter its piece of ``grad_shard`` (a view, so grads stay one flat
+        buffer), then run its post-accumulate-grad hooks as autograd would have."""
+        if self.checker is not None and any(post_accumulate_grad_hooks(p) for p in self.shard_params):
+            # Optimizer in backward: a hook may step now, so the ranks agree first (fingerprint.py).
+            self.checker.agree("the consistency exchange before a post-accumulate-grad hook")
+        if grad_shard.dtype != self.plan.dtype or grad_shard.device != self.shard.device:
+            grad_shard = grad_shard.to(device=self.shard.device, dtype=self.plan.dtype)
+        full = full_grad(self, grad_shard) if has_tensor_hooks(self) else None  # (param_hooks.py)
+        for p, (lo, hi, at), spec in zip(self.shard_params, self.local_slices, self.plan.params):
+            if not p.requires_grad:
+                continue  # frozen after shard(): autograd would give it no gradient either
+            if full is not None and tensor_hooks(p):
+                piece = hooked_piece(p, spec, full, lo, hi).to(grad_shard.device)
+            else:
+                piece = grad_shard.narrow(0, at, hi - lo)
+            if self.grad_key:
+                piece = as_shard_grad(piece, self.grad_key)
+            if p.grad is None:
+                p.grad = piece
+            else:
+                p.grad.add_(piece)
+            run_post_accumulate_grad_hooks(p)
+
+    def has_unsynced_grad(self) -> bool:
+        return self._unsynced_grad is not None
+
+
+class PendingReduce:
+    """A reduce-scatter in flight. ``finish`` waits, all-reduces across replicas, scales, and hands out grads.
+
+    ``out_buffer`` holds the reduced gradient in its first ``out_numel`` elements, then room for the replica
+    all-reduce's in-band fingerprint."""
+
+    def __init__(self, group: FlatGroup, flat: Optional[torch.Tensor], out_buffer: torch.Tensor, out_numel: int,
+                 work, divide_by: int, stamp: Optional[Stamp] = None, op: str = "reduce_scatter",
+                 out_offset: int = 0):
+        self.group, self.flat, self.work, self.divide_by, self.stamp = group, flat, work, divide_by, stamp
+        self.out_buffer, self.out_numel, self.out_offset, self.op = out_buffer, out_numel, out_offset, op
+        self.final = True  # the group gets no other gradient in this backward (runtime.post_backward says)
+
+    def finish(self, discard: bool = False) -> None:
+        """Complete the reduction (every rank issued it) and hand out the gradient, or drop it (``discard``:
+        the backward that produced it raised)."""
+        g = self.group
+        g._wait_checked(self.work, self.op, self.stamp, self.flat)
+        self.flat = None  # the unsharded gradient buffer dies here (ZeRO-1: lives on behind the grad views)
+        if discard:
+            self.out_buffer = None
+            return
+        out = self.out_buffer.narrow(0, self.out_offset, self.out_numel)
+        if g.pgs.replicate is not None:
+            stamp = g._announce("all_reduce", self.out_numel, out.dtype)
+            if stamp is None:
+                work = collectives.all_reduce_sum(out, g.pgs.replicate, async_op=True)
+            else:
+                work = collectives.all_reduce_sum(self.out_buffer, g.pgs.replicate, async_op=True,
+                                                  header=stamp.header)
+            g._wait_checked(work, "all_reduce", stamp, self.out_buffer)
+        if self.divide_by != 1:
+            out.div_(self.divide_by)
+        if g.transfers is not None:
+            g.transfers.grad_to_host(g, out, self.final)  # handed out once it has landed on the host
+        else:
+            g.accumulate_grad_shard(out)
+        self.out_buffer = None
+
+
+# ZeRO-1/2 groups alive in this process: an optimizer step makes their gathered buffers stale.
+_KEPT_GATHERED: "weakref.WeakSet[FlatGroup]" = weakref.WeakSet()
+_refresh_hook_installed = False
+
+
+def _refresh_after_optimizer_steps() -> None:
+    """Any ``torch.optim.Optimizer`` step marks every kept gathered buffer for a refill at its next unshard.
+    All ranks step together, so the verdict is the same on every rank (a rank-local signal such as the
+    version counters alone could make one rank all-gather while another does not)."""
+    global _refresh_hook_installed
+    if _refresh_hook_installed:
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def mark_stale(optimizer, args, kwargs) -> None:
+        for g in list(_KEPT_GATHERED):
+            g.refresh_due = True
+
+    register_optimizer_step_post_hook(mark_stale)
+    _refresh_hook_installed = True
+
+
+def version_counter(t: torch.Tensor) -> int:
+    """Autograd's in-place version counter of ``t`` (bumped by every in-place op on it or a view of it).
+    Private attribute ``Tensor._version``, isolated here (checked on torch 2.11 and 2.13)."""
+    return t._version
+
+
+def _home(p: torch.Tensor) -> tuple:
+    return p.untyped_storage().data_ptr(), p.storage_offset(), p.dtype, p.device
+
+
+def carries_digits(dtype: torch.dtype) -> bool:
+    """Whether a sum in ``dtype`` delivers the in-band fingerprint digits 0-255 exactly (fingerprint.py)."""
+    return dtype.is_floating_point or dtype in (torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def run_post_accumulate_grad_hooks(p: torch.Tensor) -> None:
+    """Hooks from ``p.register_post_accumulate_grad_hook`` (optimizer-in-backward). Autograd runs them from
+    its AccumulateGrad node, which shard gradients bypass (they are views of the reduced flat shard), so we
+    run them when the gradient is handed out, as torch FSDP2 does. Private attribute
+    ``_post_accumulate_grad_hooks`` (checked on torch 2.11 and 2.13), read in ``post_accumulate_grad_hooks``."""
+    hooks = post_accumulate_grad_hooks(p)
+    if hooks:
+        for hook in list(hooks.values()):
+            hook(p)
+
+
+def post_accumulate_grad_hooks(p: torch.Tensor) -> dict | None:
+    return getattr(p, "_post_accumulate_grad_hooks", None)

@@ -1,0 +1,234 @@
+"""Model-wide runtime state shared by every unit of one sharded model (units are unit.py): the phase of
+the step, the forward order that prefetch follows, the reductions in flight, the end of backward, recovery
+after a failed backward, and the between-steps invariants.
+
+[Note: recovery] A backward that raises never reaches its end-of-backward callback (autograd drops queued
+callbacks on error). The next top-level forward finds the runtime still in its backward phase and
+recovers: in-flight reductions are completed (every rank issued them) and dropped, as are the failed
+pass's backward views, and every unit is resharded with its shards bound. A caught exception therefore
+costs nothing but the gradients of the failed step, as in plain PyTorch after ``zero_grad()``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from shardwise.engine import watchdog
+from shardwise.engine.flat_group import PendingReduce
+from shardwise.engine.mixed_precision import MixedPrecision
+from shardwise.engine.strategy import ProcessGroups, Strategy
+from shardwise.engine.unit import FrameKind, Phase, Unit
+from shardwise.errors import ShardwiseError
+
+
+class ModelRuntime:
+    """State shared by all units of one sharded model: phase, forward order, pending reductions."""
+
+    MAX_PENDING_REDUCES = 2  # bounds the unsharded gradient buffers alive at once
+
+    def __init__(self, strategy: Strategy, groups: ProcessGroups, mixed_precision: MixedPrecision, prefetch: bool):
+        self.strategy = strategy
+        self.pgs = groups  # the process groups it shards and replicates over
+        self.mixed_precision = mixed_precision
+        self.prefetch = prefetch
+        self.units: list[Unit] = []
+        self.phase = Phase.IDLE
+        self.require_grad_sync = True
+        self.forward_count = 0  # top-level forwards so far (micro-batches count one each)
+        self.before_forward: list = []  # callables run at the start of every top-level forward
+        self._order: list[Unit] = []  # units in entry order, from the last completed forward
+        self._last_index: dict[int, int] = {}
+        self._recording: list[Unit] = []
+        self._on_track = False  # this forward so far matches the recorded order
+        self._pending: deque[PendingReduce] = deque()
+        # Set by shard() once the model is built around this runtime:
+        self.checker = None  # fingerprint.CollectiveChecker, when the check is on
+        self.transfers = None  # offload_transfers.OffloadTransfers, under CPU offload
+        self.plan = None  # plan.ShardingPlan: the units, groups and parameters (checkpoints read it)
+        self.state_dict_keys = None  # the model's state_dict names before sharding (state_dict.py)
+        self.device: Optional[torch.device] = None  # the compute device
+
+    def flat_groups(self):
+        """Every flat group of the model, unit by unit in model order: the one walk over the model's memory
+        (norms sum in this order, checkpoints and state dicts list parameters in it)."""
+        for u in self.units:
+            yield from u.flat_groups
+
+    # ---- forward order and prefetch ---------------------------------------------------------------
+    def begin_forward(self) -> None:
+        """A top-level forward of the root starts a step."""
+        self.settle()
+        self.forward_count += 1
+        watchdog.note_step()  # "outside shardwise since step N" in a stall report
+        for fn in self.before_forward:
+            fn()
+        self.phase = Phase.FORWARD
+        self._recording = []
+        self._on_track = True
+
+    def record_and_next(self, unit: Unit) -> Optional[Unit]:
+        """Note that ``unit`` runs now; return the unit expected to run next (to prefetch), if known."""
+        if self.phase is not Phase.FORWARD:
+            return None
+        k = len(self._recording)
+        self._recording.append(unit)
+        self._on_track = self._on_track and k < len(self._order) and self._order[k] is unit
+        if self.prefetch and self._on_track and k + 1 < len(self._order):
+            return self._order[k + 1]
+        return None
+
+    def end_forward(self, grad_enabled: bool) -> None:
+        if self.phase is not Phase.FORWARD:
+            return
+        self._order = self._recording
+        self._last_index = {id(u): i for i, u in enumerate(self._order)}
+        self._recording = []
+        self.phase = Phase.IDLE
+        if not grad_enabled:
+            for u in self.units:  # a prefetched unit that did not run must not stay gathered
+                if not u.frames:
+                    u.reshard()
+
+    def abandon_forward(self) -> None:
+        """The top-level forward raised: its graph is gone, so no backward will come for what it ran."""
+        self._recording = []
+        self.phase = Phase.IDLE
+        for u in self.units:
+            if not u.frames:
+                u.owed_backwards = 0
+                u.drop_backward_views()
+                try:
+                    u.reshard()
+                except ShardwiseError:
+                    pass  # a prefetch that cannot finish (the process group failed): the forward's error says why
+
+    def previous_in_forward(self, unit: Unit) -> Optional[Unit]:
+        if not self.prefetch:
+            return None
+        i = self._last_index.get(id(unit))
+        return self._order[i - 1] if i else None
+
+    # ---- backward ---------------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        if self.phase is not Phase.BACKWARD:
+            self.phase = Phase.BACKWARD
+            # Runs once, after the last node of this backward pass, in the autograd engine.
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+
+    def add_pending(self, pending: PendingReduce) -> None:
+        self._pending.append(pending)
+        while len(self._pending) > self.MAX_PENDING_REDUCES:
+            self._pending.popleft().finish()
+
+    def finish_pending(self) -> None:
+        while self._pending:
+            self._pending.popleft().finish()
+
+    def end_backward(self) -> None:
+        self.finish_pending()
+        if self.require_grad_sync:
+            # A unit that ran in an earlier no_sync micro-batch but not in this one still holds its
+            # accumulated gradient: reduce it now, in unit order (the same on every rank).
+            for u in self.units:
+                for g in u.flat_groups:
+                    if g.has_unsynced_grad():
+                        self.add_pending(g.reduce_grads([None] * len(g.plan.params), sync=True))
+            self.finish_pending()
+            # ZeRO-1/2: the optimizer step that follows a synced backward changes the shards; refill the kept
+            # parameters at the next unshard (also caught by an optimizer-step hook, but not every
+            # optimizer is a torch.optim.Optimizer, and this verdict is the same on every rank).
+            self.shards_written()
+        if self.transfers is not None:
+            self.transfers.end_backward()  # every offloaded gradient on the host and handed out
+        if self.checker is not None:
+            self.checker.agree()  # before backward returns: no gradient reaches an optimizer unchecked
+        for u in self.units:
+            u.owed_backwards = 0
+            u.backward_views = None
+            if not u.frames:
+                u.bind_sharded()
+                u.reshard()
+        self.phase = Phase.IDLE
+
+    def shards_written(self) -> None:
+        """The shards were (or are about to be) written: gathered parameters kept across steps (ZeRO-1/2) are
+        refilled at their next unshard. Called on every rank alike (loads, end of a synced backward)."""
+        for u in self.units:
+            for g in u.flat_groups:
+                g.refresh_due = True
+
+    def settle(self) -> None:
+        """Between steps: recover if the last forward or backward raised (see [Note: recovery]); follow a
+        dtype conversion of the model, refuse other changes to its parameters (Unit.check_intact)."""
+        stale = self.phase is Phase.BACKWARD or any(
+            u.backward_views is not None or any(f.kind is not FrameKind.SUMMON for f in u.frames) for u in self.units)
+        if stale:
+            self.recover()
+        for u in self.units:
+            if not u.params_bound():  # (bound: inside summon_full_params)
+                u.check_intact()
+
+    def recover(self) -> None:
+        while self._pending:
+            self._pending.popleft().finish(discard=True)
+        if self.transfers is not None:
+            self.transfers.recover()
+        for u in self.units:
+            u.reset()
+        self.phase = Phase.IDLE
+
+    # ---- invariants -------------------------------------------------------------------------------
+    def invariant_violations(self) -> list[str]:
+        """What is not as it must be between steps (after a backward): the test harness asserts none."""
+        problems = []
+        if self.phase is not Phase.IDLE:
+            problems.append(f"runtime phase is {self.phase.value}, not idle")
+        if self._pending:
+            problems.append(f"{len(self._pending)} reductions still in flight")
+        if self.transfers is not None:
+            problems += self.transfers.violations()
+        for u in self.units:
+            if u.frames:
+                problems.append(f"unit {u.label!r} has {len(u.frames)} entries still open")
+            if u.backward_views is not None:
+                problems.append(f"unit {u.label!r} still holds backward views")
+            if u.owed_backwards:
+                problems.append(f"unit {u.label!r} still owes {u.owed_backwards} backward(s)")
+            for params, name, gi, pi in u._slots:
+                g = u.flat_groups[gi]
+                if params[name] is not g.shard_params[pi]:
+                    problems.append(f"{g.plan.params[pi].fqn!r} is not bound to its shard parameter")
+            for g in u.flat_groups:
+                if g.keep_gathered:  # ZeRO-1/2: gathered (or not yet gathered), never half-way
+                    held = g.gathered.untyped_storage().nbytes()
+                    if g.state.value not in ("sharded", "gathered") or (g.state.value == "gathered") != bool(held):
+                        problems.append(f"unit {u.label!r} ({g.plan.dtype}) kept gathered is {g.state.value} "
+                                        f"with {held} bytes of gathered storage")
+                elif not g.aliases_shard and g.state.value != "sharded":
+                    problems.append(f"unit {u.label!r} ({g.plan.dtype}) is still {g.state.value}")
+                elif not g.aliases_shard and g.gathered.untyped_storage().nbytes():
+                    problems.append(f"unit {u.label!r} ({g.plan.dtype}) is sharded but holds "
+                                    f"{g.gathered.untyped_storage().nbytes()} bytes of gathered storage")
+                if self.require_grad_sync and g.has_unsynced_grad():
+                    problems.append(f"unit {u.label!r} ({g.plan.dtype}) holds an unreduced gradient")
+                bad = g.changed_param()
+                if bad is not None:
+                    problems.append(f"{g.plan.params[bad].fqn!r} is no longer a view of its flat shard")
+        return problems
+
+
+# The attribute shard() sets on every submodule of a sharded model, so runtime_of(any submodule) finds the
+# runtime (summon_full_params(model.encoder), load_pretrained, checkpoints).
+STATE_ATTR = "_shardwise"
+
+
+def runtime_of(model: nn.Module) -> ModelRuntime:
+    """The runtime of the sharded model that ``model`` is (or is a submodule of)."""
+    rt = getattr(model, STATE_ATTR, None)
+    if rt is None:
+        raise ShardwiseError(f"{type(model).__name__} is not sharded: call shardwise.shard(model, ...) first")
+    return rt

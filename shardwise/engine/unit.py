@@ -1,0 +1,401 @@
+"""The per-step runtime: hooks that unshard a unit before its code runs, reshard it after, prefetch the next
+unit, and reduce-scatter gradients the moment a unit's backward is done.
+
+Order of events for one unit under full_shard (forward order recorded on the previous step)::
+
+    enter (pre-forward)   all-gather (or wait for the prefetched one) -> start next unit's all-gather -> bind views
+    exit (post-forward)   bind shards back -> free gathered buffer -> hook the outputs for backward
+    pre-backward          (first gradient reaching an output) re-gather -> start previous unit's all-gather
+                          -> bind views again (any recompute now sees full parameters)
+    post-backward         (UnshardParams.backward: every parameter's gradient is ready) pack + reduce-scatter
+                          (async) -> bind shards -> free gathered buffer
+    end of backward       wait all reduce-scatters -> grads land in .grad of the shard parameters
+
+[Note: gathered parameters are autograd outputs] Module parameters during forward are the outputs of
+``UnshardParams`` (one per flat group, its autograd input an empty anchor leaf). Autograd therefore calls
+its backward exactly once per forward, after the last use of any of the group's parameters, handing over all of their gradients
+together: that is the post-backward hook, with no per-parameter hooks and no guessing. It is also how a
+backward is noticed from inside autograd whatever the model returns (a dataclass, a custom object): the
+first ``UnshardParams.backward`` of a pass queues the end-of-backward callback if no output hook did.
+
+[Note: entries] A unit's parameters are needed whenever code that uses them runs, not only in the unit's
+own forward: ``generate()`` of an encoder-decoder calls the encoder alone, ``model.head(x)`` calls a
+module whose weight lives in the root unit, activation checkpointing (ours, ``torch.utils.checkpoint`` in
+either mode, Hugging Face's, which checkpoints ``forward`` and so bypasses module hooks) re-runs a unit's
+code inside backward. So every module that holds a unit's parameters (directly or below it) carries the
+unit's entry hooks, and a call to any of them while the unit is not entered enters it. Entries nest as a
+stack of frames per unit; the post-forward hook is registered with ``always_call`` so an exception in
+forward (a caught OOM, the early stop of non-reentrant checkpointing) still pops its frame and rebinds.
+Inside backward (the autograd engine is running) an entry is a *recompute*: it binds the unit's backward
+views (one ``UnshardParams`` per unit per backward, so a reentrant recompute reduces once) and keeps the
+unit gathered for its backward, which follows.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from shardwise.errors import ShardwiseError
+from shardwise.engine.flat_group import FlatGroup
+from shardwise.engine.mixed_precision import cast_floating
+from shardwise.engine.nested import iter_tensors
+from shardwise.engine.plan import UnitPlan
+
+if TYPE_CHECKING:
+    from shardwise.engine.runtime import ModelRuntime
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+def autograd_engine_running() -> bool:
+    """Whether this thread is executing a backward pass (a forward now is a recompute).
+
+    Private API, isolated here: ``torch._C._current_graph_task_id()`` is -1 outside the autograd engine
+    (checked on torch 2.11 and 2.13)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class BackwardTicket:
+    """One forward of a unit whose backward is still owed: counts the trainable groups not yet reduced."""
+
+    __slots__ = ("unit", "remaining", "versions")
+
+    def __init__(self, unit: "Unit", remaining: int, versions: list):
+        self.unit, self.remaining = unit, remaining
+        # Each trainable group's shard_version() when its views were made: a backward through views whose
+        # shards were written in place since (optimizer.step() between forward and backward) is refused, as
+        # torch refuses a backward through a tensor modified in place after it was saved.
+        self.versions = versions
+
+
+class UnshardParams(torch.autograd.Function):
+    """Identity from a unit's shards to full-shape views of the gathered buffer; see the Note above.
+
+    Its one autograd input is the group's ``grad_anchor`` (an empty leaf), not the shard parameters: the
+    gradients reach the shards through the reduce-scatter, and an autograd edge to each shard parameter
+    would make the engine run its AccumulateGrad node (and the parameter's post-accumulate-grad hooks)
+    with no gradient, before the real one is handed out."""
+
+    @staticmethod
+    def forward(ctx, group: FlatGroup, ticket: BackwardTicket, anchor: torch.Tensor):
+        ctx.group, ctx.ticket = group, ticket
+        ctx.set_materialize_grads(False)  # unused parameters arrive as None, not as zero tensors
+        views = group.full_views()
+        frozen = [v for v, p in zip(views, group.shard_params) if not p.requires_grad]
+        if frozen:  # frozen after shard(): no gradient is computed for it, none handed out
+            ctx.mark_non_differentiable(*frozen)
+        return tuple(views)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[torch.Tensor]):
+        ctx.ticket.unit.post_backward(ctx.group, grads, ctx.ticket)
+        return None, None, None
+
+
+class FrameKind(enum.Enum):
+    FORWARD = "forward"  # a forward (or an entry through a submodule) outside backward
+    RECOMPUTE = "recompute"  # code of the unit re-run inside backward (activation checkpointing)
+    PASS = "pass"  # a submodule called while its unit's parameters are already bound: nothing to do
+    SUMMON = "summon"  # summon_full_params: full master-dtype parameters bound for a block of user code
+
+
+class Frame:
+    """One entry into a unit still in progress."""
+
+    __slots__ = ("kind", "views", "ticket", "hooked", "outer_exc", "top_level")
+
+    def __init__(self, kind: FrameKind, outer_exc):
+        self.kind = kind
+        self.views: Optional[list] = None
+        self.ticket: Optional[BackwardTicket] = None
+        self.hooked = False  # a frozen unit's inputs carry its post-backward signal
+        self.outer_exc = outer_exc  # the exception being handled around this call, if any (see exit)
+        self.top_level = False  # the root forward that starts a step
+
+
+class Unit:
+    """Runtime state of one unit: its flat groups, its entry frames and its bindings."""
+
+    def __init__(self, plan: UnitPlan, groups: list[FlatGroup], runtime: "ModelRuntime"):
+        self.plan = plan
+        self.flat_groups = groups  # one per (dtype, requires_grad) of the unit's parameters
+        self.runtime = runtime
+        self.reshard_after_forward = runtime.strategy.reshard_after_forward and not plan.is_root
+        self.owed_backwards = 0
+        self.frames: list[Frame] = []
+        self.backward_views: Optional[list] = None  # bound from pre-backward until post-backward
+        # (params dict, name, group index, param index) for every registration of every parameter
+        self._slots = [
+            (ref.module._parameters, ref.name, gi, pi)
+            for gi, g in enumerate(groups)
+            for pi, spec in enumerate(g.plan.params)
+            for ref in spec.refs
+        ]
+
+    @property
+    def label(self) -> str:
+        return self.plan.label
+
+    # ---- memory -----------------------------------------------------------------------------------
+    def unshard(self, wait: bool = True) -> None:
+        for g in self.flat_groups:
+            g.begin_unshard()
+        if wait:
+            for g in self.flat_groups:
+                g.wait_unshard()
+
+    def reshard(self) -> None:
+        for g in self.flat_groups:
+            g.reshard()
+
+    # ---- module attributes ------------------------------------------------------------------------
+    def make_views(self) -> tuple[list, Optional[BackwardTicket]]:
+        """Full-shape views of every group; trainable groups' views are ``UnshardParams`` outputs under a
+        new ticket when autograd records. Which groups are trainable is read now: requires_grad may have
+        changed since shard()."""
+        trainable = [g.any_requires_grad() for g in self.flat_groups] if torch.is_grad_enabled() else None
+        ticket = None
+        if trainable is not None and any(trainable):
+            versions = [g.shard_version() if rg else None for g, rg in zip(self.flat_groups, trainable)]
+            ticket = BackwardTicket(self, sum(trainable), versions)
+        views = []
+        for g, rg in zip(self.flat_groups, trainable or [False] * len(self.flat_groups)):
+            views.append(UnshardParams.apply(g, ticket, g.grad_anchor) if rg else g.full_views())
+        return views, ticket
+
+    def bind(self, views: Optional[list]) -> None:
+        """Bind ``views`` (one list per group) to every registration, or the shards when None."""
+        if views is None:
+            for params, name, gi, pi in self._slots:
+                params[name] = self.flat_groups[gi].shard_params[pi]
+        else:
+            for params, name, gi, pi in self._slots:
+                params[name] = views[gi][pi]
+
+    def bind_sharded(self) -> None:
+        self.bind(None)
+
+    def rebind(self) -> None:
+        """Bind what the innermost live entry needs: its frame's views, else the backward views, else shards."""
+        for f in reversed(self.frames):
+            if f.views is not None:
+                self.bind(f.views)
+                return
+        self.bind(self.backward_views)
+
+    def params_bound(self) -> bool:
+        return self.backward_views is not None or any(f.views is not None for f in self.frames)
+
+    def check_intact(self) -> None:
+        """Shard parameters must still be the views of the flat shard that shard() made them. A dtype
+        conversion of whole groups (``model.half()``, ``.to(dtype)``, ``.double()``) is followed: the group
+        moves to a new flat shard. Anything else (``p.data = ...``, ``.to(device)``, a replaced parameter)
+        would leave forward computing with the old values while the optimizer updates the new ones: refused."""
+        for params, name, gi, pi in self._slots:
+            g = self.flat_groups[gi]
+            p = g.shard_params[pi]
+            if params[name] is not p:
+                raise ShardwiseError(
+                    f"parameter {g.plan.params[pi].fqn!r} of unit {self.label!r} was replaced after "
+                    f"shardwise.shard(); change parameters before shard(), or load values with "
+                    f"shardwise.load_full_state_dict / shardwise.summon_full_params(writeback=True)")
+        for g in self.flat_groups:
+            bad = g.changed_param()
+            if bad is None:
+                continue
+            dtype = g.converted_dtype()
+            if dtype is not None:
+                g.adopt_conversion(dtype)  # model.to(dtype) / .double() / .half(): follow it, as FSDP2 does
+                continue
+            p = g.shard_params[bad]
+            raise ShardwiseError(
+                f"parameter {g.plan.params[bad].fqn!r} of unit {self.label!r} was changed after "
+                f"shardwise.shard() (now {p.dtype}, shape {tuple(p.shape)} on {p.device}; its shard is "
+                f"{g.plan.dtype} on {g.shard.device}): assigning p.data, converting only some parameters and "
+                f".to(device) are not supported on a sharded model; do them before shard(), load values with "
+                f"shardwise.load_full_state_dict or shardwise.summon_full_params(writeback=True)")
+
+    # ---- entries (see [Note: entries]) --------------------------------------------------------------
+    def pre_forward(self, module, args, kwargs):
+        return self.enter(args, kwargs, submodule=False)
+
+    def pre_submodule(self, module, args, kwargs):
+        return self.enter(args, kwargs, submodule=True)
+
+    def enter(self, args, kwargs, submodule: bool):
+        m = self.runtime
+        in_backward = autograd_engine_running()
+        if submodule and self.params_bound() and (in_backward or self.frames):
+            self.frames.append(Frame(FrameKind.PASS, sys.exc_info()[1]))
+            return None
+        frame = Frame(FrameKind.RECOMPUTE if in_backward else FrameKind.FORWARD, sys.exc_info()[1])
+        if self.plan.is_root and not in_backward and not any(f.kind is FrameKind.FORWARD for f in self.frames):
+            frame.top_level = True
+            try:
+                m.begin_forward()  # may recover from a failed step, which clears every unit's frames
+            except BaseException:
+                self.frames.append(Frame(FrameKind.PASS, frame.outer_exc))  # for the always-called exit
+                raise
+        self.frames.append(frame)  # before anything else can fail: the always-called exit pops it
+        if not self.params_bound() and m.phase is not Phase.FORWARD:
+            self.check_intact()  # inside the root's forward, settle() checked every unit already
+        if in_backward:
+            m.begin_backward()
+            self.unshard(wait=True)
+            self.bind_backward_views()
+            frame.views = self.backward_views
+        else:
+            nxt = m.record_and_next(self)
+            self.unshard(wait=False)
+            if nxt is not None:
+                nxt.unshard(wait=False)  # issued now, waited on at its own entry: overlaps our compute
+            self.unshard(wait=True)
+            frame.views, frame.ticket = self.make_views()
+            self.bind(frame.views)
+        mp = m.mixed_precision
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            args, kwargs = cast_floating(args, mp.param_dtype), cast_floating(kwargs, mp.param_dtype)
+        if frame.kind is FrameKind.FORWARD and frame.ticket is None and torch.is_grad_enabled():
+            frame.hooked = self._signal_when_input_grads_ready(args, kwargs)
+        return args, kwargs
+
+    def _signal_when_input_grads_ready(self, args, kwargs) -> bool:
+        """Frozen unit: call ``backward_done`` once the gradients w.r.t. its inputs are computed."""
+        needing = list({id(t): t for t in iter_tensors((args, kwargs)) if t.requires_grad}.values())
+        if not needing:
+            return False  # no gradient flows through this unit: backward never re-gathers it
+        torch.autograd.graph.register_multi_grad_hook(needing, lambda grads: self.backward_done(), mode="all")
+        return True
+
+    def post_forward(self, module, args, kwargs, output):
+        """Registered with ``always_call``: runs after a forward that raised, too (then ``sys.exc_info()``
+        holds a different exception than it did at entry)."""
+        if not self.frames:
+            return None  # recovered in between: nothing of this entry is left
+        frame = self.frames.pop()
+        failed = sys.exc_info()[1] is not frame.outer_exc
+        if frame.kind is FrameKind.PASS:
+            return None
+        m = self.runtime
+        self.rebind()
+        if frame.kind is FrameKind.RECOMPUTE:
+            return None  # its backward is next: keep the parameters gathered
+        if failed:
+            if not self.params_bound() and self.owed_backwards == 0:
+                self.reshard()
+        elif torch.is_grad_enabled():
+            if frame.ticket is not None or frame.hooked:
+                self.owed_backwards += 1  # backward_done will say when this forward's backward is over
+            # Outputs that need a gradient: the unit's backward will run (a frozen unit too, when gradients
+            # pass through it or through units inside it, e.g. a frozen root around trainable blocks).
+            hooked = self._hook_outputs(output)
+            if hooked:
+                if self.reshard_after_forward and not self.params_bound():
+                    self.reshard()  # the pre-backward hook gathers it again
+            elif frame.ticket is None and not self.params_bound() and self.owed_backwards == 0:
+                self.reshard()  # no gradient can reach it: nothing needs these parameters this step
+            # else: an output autograd reaches without our hook (not found inside the output object)
+            # would need the parameters before we knew: keep them gathered until the backward is done.
+        elif not self.params_bound() and self.owed_backwards == 0:
+            self.reshard()  # inference: nothing will need these parameters again this step
+        if frame.top_level:
+            if failed:
+                m.abandon_forward()
+            else:
+                m.end_forward(torch.is_grad_enabled())
+        return None
+
+    def _hook_outputs(self, output) -> bool:
+        """Register the pre-backward hook on every output tensor that needs a gradient; False if none."""
+        hooked = False
+        for t in iter_tensors(output):
+            if t.requires_grad:
+                t.register_hook(self._pre_backward_hook)
+                hooked = True
+        return hooked
+
+    # ---- backward ---------------------------------------------------------------------------------
+    def bind_backward_views(self) -> None:
+        """Views for this unit's backward, made once per backward with autograd recording, so a reentrant
+        recompute's graph reaches ``UnshardParams`` (a non-reentrant one's never runs: no harm)."""
+        if self.backward_views is None:
+            with torch.enable_grad():
+                self.backward_views, _ = self.make_views()
+        if not any(f.views is not None for f in self.frames):
+            self.bind(self.backward_views)
+
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        m = self.runtime
+        _refuse_double_backward(self.label)
+        m.begin_backward()
+        self.unshard(wait=False)
+        prev = m.previous_in_forward(self)
+        if prev is not None:
+            prev.unshard(wait=False)
+        self.unshard(wait=True)
+        self.bind_backward_views()
+        return None
+
+    def post_backward(self, group: FlatGroup, grads, ticket: BackwardTicket) -> None:
+        m = self.runtime
+        _refuse_double_backward(self.label)
+        _refuse_written_since_forward(group, ticket.versions[self.flat_groups.index(group)], self.label)
+        m.begin_backward()
+        pending = group.reduce_grads(grads, sync=m.require_grad_sync)
+        if pending is not None:
+            pending.final = self.owed_backwards <= 1  # no other forward of this unit still owes a backward
+            m.add_pending(pending)
+        ticket.remaining -= 1
+        if ticket.remaining == 0:
+            self.backward_done()
+
+    def backward_done(self) -> None:
+        """One forward's backward is complete; free the parameters once no other forward still owes one."""
+        self.owed_backwards -= 1
+        if self.owed_backwards <= 0:
+            self.owed_backwards = 0
+            self.drop_backward_views()
+            if not self.frames:
+                self.reshard()
+
+    def drop_backward_views(self) -> None:
+        self.backward_views = None
+        self.rebind()
+
+    def reset(self) -> None:
+        """Back to the state between steps: no entries (but summon_full_params blocks), nothing gathered."""
+        self.frames[:] = [f for f in self.frames if f.kind is FrameKind.SUMMON]
+        self.owed_backwards = 0
+        self.drop_backward_views()
+        self.reshard()
+
+
+def _refuse_double_backward(label: str) -> None:
+    # Gradients are computed under grad mode only for create_graph=True (double backward): the graph of the
+    # gradient would hold views of buffers that this very backward frees.
+    if torch.is_grad_enabled():
+        raise ShardwiseError(
+            f"backward with create_graph=True (double backward, e.g. a gradient penalty) reached unit "
+            f"{label!r}: shardwise frees gathered parameters during backward and does not support it; "
+            f"compute higher-order gradients outside the sharded model")
+
+
+def _refuse_written_since_forward(group: FlatGroup, versions: tuple, label: str) -> None:
+    now = group.shard_version()
+    if now == versions:
+        return
+    changed = [i for i, (a, b) in enumerate(zip(versions[1:], now[1:])) if a != b]
+    fqn = group.plan.params[changed[0] if changed else 0].fqn
+    raise ShardwiseError(
+        f"parameter {fqn!r} of unit {label!r} was modified in place after the forward this backward "
+        f"differentiates (optimizer.step() or a write under torch.no_grad() before loss.backward()): the "
+        f"backward would use the new values. Plain PyTorch raises 'one of the variables needed for gradient "
+        f"computation has been modified by an inplace operation' here; call backward before changing parameters")

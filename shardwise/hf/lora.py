@@ -1,0 +1,251 @@
+"""LoRA through ``peft``: wrap a Hugging Face model before ``shardwise.shard``, train only the adapters, and
+write them out as peft writes them (or merged into the base).
+
+Why it works with no special case in the engine: ``peft.get_peft_model`` freezes the base and adds small
+``lora_A`` / ``lora_B`` linears next to each target module. The sharding plan makes one flat group per
+unit x dtype x requires_grad (plan.py), so inside every transformer block the frozen base (possibly kept
+in bf16) and the fp32 adapters are separate groups of the same unit: gathered together, but only the
+adapters' group gets gradients, reduce-scatters and optimizer state.
+
+A meta-built model (big models, or a base streamed from safetensors afterwards) is initialised inside
+``shard`` per module; ``lora_param_init_fn`` adds peft's own adapter init (A: Kaiming-uniform, B: zeros, so
+the wrapped model starts out equal to its base) on top of the model's init.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.errors import ShardwiseError
+
+ADAPTER_NAME = "default"  # peft's name for the one adapter get_peft_model adds
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the file names PeftModel.from_pretrained looks for
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    r: int
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ()  # () -> peft's default for the architecture (Llama: q_proj, v_proj)
+    base_dtype: torch.dtype | None = None  # the frozen base's dtype (None: leave it as built)
+
+    def peft_config(self):
+        try:
+            from peft import LoraConfig
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ShardwiseError("LoRA needs the peft package: pip install peft") from e
+        if self.r < 1:
+            raise ShardwiseError(f"lora r={self.r}: the adapter rank must be >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ShardwiseError(f"lora dropout={self.dropout}: must be in [0, 1)")
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                          target_modules=list(self.target_modules) or None, task_type="CAUSAL_LM")
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """``peft.get_peft_model(model, ...)`` with the frozen base cast to ``settings.base_dtype``; works on a
+    meta model too. Call it before ``shardwise.shard`` (freezing after shard() costs traffic, see README)."""
+    config = settings.peft_config()
+    from peft import get_peft_model
+
+    try:
+        peft_model = get_peft_model(model, config)
+    except ValueError as e:  # peft's "Target modules {...} not found in the base model"
+        raise ShardwiseError(f"lora target_modules {','.join(settings.target_modules) or '(peft default)'}: "
+                             f"{str(e).splitlines()[0]}") from None
+    if settings.base_dtype is not None:
+        with torch.no_grad():
+            for p in peft_model.parameters():
+                if not p.requires_grad and p.is_floating_point():
+                    p.data = p.data.to(settings.base_dtype)
+    return peft_model
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def _adapter_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str, object]]:
+    """id(adapter linear) -> (its peft LoRA layer, adapter name, that adapter's init setting)."""
+    from peft.tuners.lora import LoraLayer
+
+    init = {name: cfg.init_lora_weights for name, cfg in model.peft_config.items()}
+    owners = {}
+    for layer in model.modules():
+        if isinstance(layer, LoraLayer):
+            for table in (layer.lora_A, layer.lora_B):
+                for name, linear in table.items():
+                    owners[id(linear)] = (layer, name, init.get(name, True))
+    return owners
+
+
+def lora_param_init_fn(model: nn.Module, base_init: Callable[[nn.Module], None] | None
+                       ) -> Callable[[nn.Module], None]:
+    """``param_init_fn`` for ``shard`` on a meta-built peft model: ``base_init`` (the model's own, e.g.
+    ``shardwise.engine.hf_init``), then peft's init for adapter modules. ``reset_lora_parameters`` writes A and B of
+    the adapter; whichever of them is still on meta costs nothing."""
+    owners = _adapter_owners(model)
+
+    @torch.no_grad()
+    def init(module: nn.Module) -> None:
+        if base_init is not None:
+            base_init(module)
+        elif callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+        owner = owners.get(id(module))
+        if owner is not None:
+            layer, name, how = owner
+            layer.reset_lora_parameters(name, how)
+
+    return init
+
+
+# ---- writing adapters out ------------------------------------------------------------------------------
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Rank 0: the adapters of a sharded peft model under the key names peft saves
+    (``base_model.model....q_proj.lora_A.weight``); ``{}`` elsewhere. Only adapter groups are gathered.
+    Collective."""
+    from peft import get_peft_model_state_dict
+
+    from shardwise.engine.state_dict import full_state_dict
+
+    _check_peft(model)
+    trainable = full_state_dict(model, trainable_only=True)
+    if not trainable:
+        return {}
+    return {k: v.contiguous() for k, v in get_peft_model_state_dict(model, state_dict=trainable).items()}
+
+
+def save_adapter(model: nn.Module, out: str | os.PathLike) -> Path | None:
+    """Write ``out/adapter_config.json`` + ``out/adapter_model.safetensors`` (what ``PeftModel.from_pretrained
+    (base, out)`` loads) from a sharded peft model. Collective; rank 0 writes and returns ``out``."""
+    from safetensors.torch import save_file
+
+    sd = adapter_state_dict(model)
+    if dist.get_rank() != 0:
+        return None
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    model.peft_config[ADAPTER_NAME].save_pretrained(str(out))
+    return out
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Rank 0: the base model's state dict (its own key names, as ``save_pretrained`` of the unwrapped model
+    writes them) with every adapter merged in: ``W + scaling * B @ A``, computed in fp32 and stored in
+    W's dtype, as peft's ``merge_and_unload`` does. Gathers the whole model on rank 0. Collective."""
+    from peft.tuners.lora import LoraLayer
+
+    from shardwise.engine.state_dict import full_state_dict
+
+    _check_peft(model)
+    full = full_state_dict(model)
+    if not full:
+        return {}
+    names = {id(m): n for n, m in model.named_modules()}
+    for layer in model.modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        prefix = names[id(layer)]
+        weight_key = f"{prefix}.base_layer.weight"
+        for name in layer.lora_A:
+            a = full.pop(f"{prefix}.lora_A.{name}.weight")
+            b = full.pop(f"{prefix}.lora_B.{name}.weight")
+            w = full[weight_key]
+            full[weight_key] = merge_delta(w, a, b, layer, name).to(w.dtype)
+    base_prefix = "base_model.model."
+    out = {}
+    for k, v in full.items():
+        out[k.removeprefix(base_prefix).replace(".base_layer.", ".")] = v
+    return out
+
+
+def save_merged(model: nn.Module, out: str | os.PathLike, dtype: torch.dtype | None = None) -> Path | None:
+    """A full Hugging Face model directory (config.json + safetensors) with the adapters merged, loadable by
+    ``AutoModelForCausalLM.from_pretrained(out)``. Collective; rank 0 writes. Memory: the whole model on
+    rank 0's CPU, once."""
+    from transformers import AutoModelForCausalLM
+
+    sd = merged_state_dict(model)
+    if dist.get_rank() != 0:
+        return None
+    config = model.get_base_model().config
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(config)
+    if dtype is not None:
+        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+    base.load_state_dict(sd, strict=False, assign=True)
+    # what save_pretrained writes must all be there (non-persistent buffers such as rotary tables are not
+    # written: from_pretrained recomputes them)
+    missing = [n for n, t in base.state_dict().items() if t.is_meta]
+    if missing:
+        raise ShardwiseError(f"merged LoRA export to {out}: no weights for {', '.join(missing[:5])}")
+    base.save_pretrained(str(out))
+    return Path(out)
+
+
+def _check_peft(model: nn.Module) -> None:
+    if not is_peft_model(model):
+        raise ShardwiseError(f"{type(model).__name__} is not a peft model: wrap it with shardwise.hf.lora.apply_lora "
+                             f"(or peft.get_peft_model) before shardwise.shard")
+
+
+def peft_config_dict(model: nn.Module) -> dict:
+    """The LoRA config of a peft model as plain JSON (sets as sorted lists), for a checkpoint's manifest."""
+    import json
+
+    _check_peft(model)
+    config = model.peft_config[ADAPTER_NAME].to_dict()
+    return json.loads(json.dumps(config, default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o)))
+
+
+def peft_model_from_dict(model: nn.Module, config: dict) -> nn.Module:
+    """``get_peft_model(model, LoraConfig(**config))`` for a ``peft_config_dict`` (keys this peft does not know
+    are dropped: a config written by another peft version). Works on a meta model."""
+    import dataclasses
+
+    from peft import LoraConfig, get_peft_model
+
+    known = {f.name for f in dataclasses.fields(LoraConfig)}
+    try:
+        lora_config = LoraConfig(**{k: v for k, v in config.items() if k in known})
+        return get_peft_model(model, lora_config)
+    except (TypeError, ValueError) as e:
+        raise ShardwiseError(f"peft_config: not a LoRA config this peft accepts: {str(e).splitlines()[0][:200]}") from None
+
+
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """name -> peft LoRA layer (the wrapped module: its ``base_layer``, ``lora_A``/``lora_B`` and ``scaling``)."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def merge_delta(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layer: nn.Module, adapter: str) -> torch.Tensor:
+    """``W + scaling * B @ A`` in fp32, as peft's ``merge_and_unload`` computes it (transposed for
+    ``fan_in_fan_out`` layers); the caller chooses the dtype to store it in."""
+    delta = (b.float() @ a.float()) * layer.scaling[adapter]
+    return weight.float() + (delta.T if getattr(layer, "fan_in_fan_out", False) else delta)
+
+
+def pretrained_name(name: str) -> "str | None":
+    """The name a peft-wrapped model's parameter has in the base model's checkpoint, for
+    ``shardwise.load_pretrained(..., rename=pretrained_name)``: peft's ``base_model.model.`` prefix and
+    ``.base_layer`` dropped; None for the adapters, which the checkpoint does not hold (they keep their init)."""
+    if ".lora_" in name or name.startswith("lora_"):
+        return None
+    if name.startswith("base_model.model."):
+        name = name[len("base_model.model."):]
+    return name.replace(".base_layer.", ".")
