@@ -12,14 +12,16 @@ changes, or its state is replaced by ``load_state_dict``), so a step costs a dic
   (orthogonalises a matrix), SparseAdam and any unknown class are refused by name, unless the user
   declares the class with ``shardwise.allow_optimizer`` (an explicit opt-in: "this class updates each
   element from that element alone", or "I accept the per-piece result").
-- **whose state it holds**: optimizer state is per piece. After each step every piece's state entry is
-  stamped with the piece it belongs to (``STAMP_KEY``: a checksum of the parameter's name, its element
-  range on this rank and its size). At the first step after the state was replaced (``load_state_dict``)
-  every entry is compared with the piece it now sits on, and the ranks of the shard group agree on the
-  verdict (one all-reduce), so a state saved by rank 0 alone and loaded everywhere (the DDP habit), or one
-  saved at another world size or plan, raises ``ShardwiseError`` on every rank instead of stepping with the
-  wrong moments. A state without stamps (shardwise's own checkpoints reshard; states saved before this
-  check) is accepted when its tensors have the pieces' shapes.
+- **whose state it holds**: optimizer state is per piece. ``optimizer.state_dict()`` stamps every piece's
+  entry *in the dict it returns* (``optimizer.state`` itself is left alone) with the piece it belongs to
+  (``STAMP_KEY``: a checksum of the parameter's name, its element range on this rank and its size);
+  ``load_state_dict`` carries the stamps into ``optimizer.state``. At the first step after the state was
+  replaced, every entry is compared with the piece it now sits on (and its stamp removed), and the ranks
+  agree on the verdict (one all-reduce), so a state saved by rank 0 alone and loaded everywhere (the DDP
+  habit), or one saved at another world size or plan, raises ``ShardwiseError`` on every rank instead of
+  stepping with the wrong moments. A state without stamps (shardwise's own checkpoints reshard; a
+  ``state_dict()`` taken before the optimizer's first step) is accepted when its tensors have the pieces'
+  shapes.
 """
 
 from __future__ import annotations
@@ -78,13 +80,12 @@ def is_elementwise(cls: type) -> bool:
 class _Guard:
     """What is known about one optimizer (kept in its ``__dict__``)."""
 
-    __slots__ = ("numel", "pieces", "state", "stamped")
+    __slots__ = ("numel", "pieces", "state")
 
     def __init__(self, numel: int, pieces: list):
         self.numel = numel
         self.pieces = pieces  # [(index in param order, param, FlatGroup, index in group)] of pieces
         self.state = None  # the state dict object last verified: load_state_dict replaces it
-        self.stamped = -1  # len(state) when stamps were last added
 
 
 def _params(optimizer) -> list:
@@ -135,7 +136,7 @@ def stamp_of(p: torch.Tensor) -> Optional[int]:
 
 
 def _problem(p: torch.Tensor, state: dict) -> Optional[str]:
-    saved = state.get(STAMP_KEY)
+    saved = state.pop(STAMP_KEY, None)
     if saved is not None and saved != stamp_of(p):
         return "was saved for a different piece of it (another rank, world size or plan)"
     for name, value in state.items():
@@ -150,9 +151,8 @@ def verify_state(optimizer, guard: _Guard) -> None:
     for i, p, group, gi in guard.pieces:
         state = optimizer.state.get(p)
         problem = _problem(p, state) if state else None
-        if problem is not None:
-            first_bad, why = i + 1, problem
-            break
+        if problem is not None and not first_bad:
+            first_bad, why = i + 1, problem  # (the loop goes on: every entry's stamp is removed)
     verdict = torch.tensor([first_bad], dtype=torch.int64)
     for pg, device in _shard_groups(guard):
         flag = verdict.to(device)
@@ -184,16 +184,19 @@ def _shard_groups(guard: _Guard) -> list:
     return out
 
 
-def stamp_state(optimizer, guard: _Guard) -> None:
-    """Mark each piece's state entry with the piece it belongs to (new entries only: cheap per step)."""
-    state = optimizer.state
-    if len(state) == guard.stamped and state is guard.state:
-        return
+def _stamp_state_dict(optimizer, state_dict: dict) -> dict:
+    """``register_state_dict_post_hook``: stamp each piece's entry of the returned dict (copies: the entries
+    are ``optimizer.state``'s own dicts)."""
+    guard = optimizer.__dict__.get(_GUARD_ATTR)
+    if guard is None:
+        return state_dict
+    index = {id(p): i for i, p in enumerate(_params(optimizer))}  # state_dict() numbers params in this order
+    packed = state_dict["state"]
     for _i, p, _g, _gi in guard.pieces:
-        entry = state.get(p)
-        if entry and STAMP_KEY not in entry:
-            entry[STAMP_KEY] = stamp_of(p)
-    guard.stamped = len(state)
+        k = index.get(id(p))
+        if k in packed:
+            packed[k] = {**packed[k], STAMP_KEY: stamp_of(p)}
+    return state_dict
 
 
 def examine(optimizer) -> _Guard:
@@ -202,6 +205,8 @@ def examine(optimizer) -> _Guard:
     guard = optimizer.__dict__.get(_GUARD_ATTR)
     numel = sum(len(g["params"]) for g in optimizer.param_groups)
     if guard is None or guard.numel != numel:
+        if guard is None and hasattr(optimizer, "register_state_dict_post_hook"):  # public since torch 2.3
+            optimizer.register_state_dict_post_hook(_stamp_state_dict)
         guard = _examine(optimizer)
         optimizer.__dict__[_GUARD_ATTR] = guard
     return guard
@@ -222,12 +227,6 @@ def before_step(optimizer, args, kwargs) -> None:
         guard.state = optimizer.state
 
 
-def after_step(optimizer, args, kwargs) -> None:
-    guard = optimizer.__dict__.get(_GUARD_ATTR)
-    if guard is not None and guard.pieces:
-        stamp_state(optimizer, guard)
-
-
 _installed = False
 
 
@@ -236,8 +235,7 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     register_optimizer_step_pre_hook(before_step)
-    register_optimizer_step_post_hook(after_step)
     _installed = True
