@@ -135,6 +135,15 @@ def per_param_norms(ctx):  # Lightning's grad_norm logging: one norm per paramet
     ctx.record(sum(float(g.pow(2).sum()) for g in ctx.grads()))
 
 
+def other_reductions(ctx):
+    gs = ctx.grads()
+    ctx.record(sum(float(g.mean()) * 1e3 for g in gs))
+    ctx.record(sum(int(torch.count_nonzero(g > 0)) for g in gs))
+    ctx.record(sum(float(torch.dot(g.flatten(), g.flatten())) for g in gs))
+    ctx.record(sum(float(g.float().amin()) for g in gs))
+    ctx.record(all(bool(torch.isfinite(g).all()) for g in gs))
+
+
 def vector_norm_of_grads(ctx):
     ctx.record(torch.nn.utils.parameters_to_vector(ctx.grads()).norm())
 
@@ -296,6 +305,9 @@ ROWS = [
     Row("clip_grad_value_", train(after_backward=lambda ctx: torch.nn.utils.clip_grad_value_(ctx.params(), 1e-3))),
     Row("p.grad.norm() per parameter", train(after_backward=per_param_norms)),
     Row("parameters_to_vector(grads).norm()", train(after_backward=vector_norm_of_grads)),
+    Row("p.grad mean, count_nonzero, dot, amin, isfinite().all()", train(after_backward=other_reductions)),
+    Row("p.grad.sort() (positions in the whole)", train(after_backward=lambda ctx: ctx.grads()[0].sort()),
+        sharded_only("depends on positions in the whole tensor")),
     Row("vector_to_parameters", train(after_backward=vector_round_trip), "was changed after shardwise.shard()"),
     *[Row(f"optim.{cls.__name__}", optimizer_row(cls, **kw), whole_model=cls is not torch.optim.SGD) for cls, kw in [
         (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
