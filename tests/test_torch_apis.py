@@ -137,8 +137,8 @@ def per_param_norms(ctx):  # Lightning's grad_norm logging: one norm per paramet
 
 def other_reductions(ctx):
     gs = ctx.grads()
-    ctx.record(sum(float(g.mean()) * 1e3 for g in gs))
-    ctx.record(sum(int(torch.count_nonzero(g > 0)) for g in gs))
+    ctx.record(sum(float(g.abs().mean()) for g in gs))
+    ctx.record(sum(int(torch.count_nonzero(g)) for g in gs))  # (unused embedding rows: exact zeros)
     ctx.record(sum(float(torch.dot(g.flatten(), g.flatten())) for g in gs))
     ctx.record(sum(float(g.float().amin()) for g in gs))
     ctx.record(all(bool(torch.isfinite(g).all()) for g in gs))
