@@ -176,9 +176,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if DEBUG_FLAG in argv:
         argv = [a for a in argv if a != DEBUG_FLAG]
-        from shardwise.engine.agree import DEBUG_ENV
+        from shardwise.engine import flags
 
-        os.environ[DEBUG_ENV] = "1"  # the workers inherit it
+        os.environ[flags.DEBUG] = "1"  # the workers inherit it
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2

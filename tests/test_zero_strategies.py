@@ -145,7 +145,7 @@ def _memory(strategy):
         groups = [g for g in rt.flat_groups()]
         return {"kept": kept, "grad_bytes": sorted(grad_bytes),
                 "shard_bytes": sorted({4 * g.plan.shard_numel for g in groups}),
-                "full_bytes": sorted({4 * (g.plan.padded_numel + g.grad_header_numel) for g in groups})}
+                "full_bytes": sorted({4 * (g.plan.padded_numel + g.fingerprint.room_grad_flat) for g in groups})}
     return run
 
 

@@ -28,7 +28,8 @@ from typing import Callable, Optional, Union
 import torch
 
 from shardwise.checkpoint.files import RUN_MODEL_FILES, TOKENIZER_FILES, copy_model_files, unwritable_dir_problem
-from shardwise.checkpoint.format import (COMMIT_NAME, MANIFEST_NAME, dtype_from_name, fsync_dir, write_json_durably,
+from shardwise.checkpoint.format import (COMMIT_NAME, MANIFEST_NAME, dtype_from_name, fsync_dir, replace_dir,
+                                         write_json_durably,
                                          write_safetensors_streamed)
 from shardwise.checkpoint.manager import find_latest
 from shardwise.checkpoint.safetensors_file import SafetensorsFile
@@ -95,7 +96,7 @@ def write_atomically(out: Path, ckpt: Path, fill: Callable[[Path], list[str]]) -
         if (ckpt.parent / RUN_MODEL_FILES).is_dir():
             copy_model_files(ckpt.parent / RUN_MODEL_FILES, tmp)
         fsync_dir(tmp)
-        _replace(tmp, out)
+        replace_dir(tmp, out, out.parent / f".{out.name}.export-old-{os.getpid()}-{time.time_ns()}")
     except OSError as e:  # a full disk, say: one line naming the file, and OUT as it was
         shutil.rmtree(tmp, ignore_errors=True)
         raise ShardwiseError(f"{e.filename or tmp}: {e.strerror or e}; nothing was exported, {out} is as it "
@@ -121,18 +122,6 @@ def write_model(tmp: Path, manifest: dict, layout: list, produce: Callable[[str]
         write_json_durably(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
     _write_config(manifest, tmp, written_dtype(layout))
     return file_names
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Put the finished ``tmp`` where ``out`` is: a rename, after moving an earlier export aside."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.export-old-{os.getpid()}-{time.time_ns()}"
-        os.rename(out, old)
-    os.rename(tmp, out)
-    fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def layout_of(manifest: dict, dtype: Optional[torch.dtype]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:

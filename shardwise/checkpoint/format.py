@@ -25,6 +25,7 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -172,3 +173,16 @@ def fsync_dir(path: Path) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def replace_dir(tmp: Path, final: Path, aside: Path) -> None:
+    """Put the finished directory ``tmp`` where ``final`` is, durably: a rename, after moving an existing
+    ``final`` to ``aside`` (os.rename cannot replace a non-empty directory), which is removed last."""
+    moved = False
+    if final.exists():
+        os.rename(final, aside)
+        moved = True
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    if moved:
+        shutil.rmtree(aside, ignore_errors=True)

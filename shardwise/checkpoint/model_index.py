@@ -12,6 +12,7 @@ import torch.nn as nn
 from shardwise.errors import ShardwiseError
 from shardwise.engine.flat_group import FlatGroup
 from shardwise.engine.plan import ParamSpec
+from shardwise.engine.state_dict import persistent_buffers as engine_persistent_buffers
 
 
 def unique_params(rt) -> Iterator[tuple[ParamSpec, FlatGroup, int]]:
@@ -51,14 +52,6 @@ def optimizer_param_names(rt, optimizer: torch.optim.Optimizer) -> dict[int, str
 
 def persistent_buffers(model: nn.Module, rt) -> list[tuple[str, torch.Tensor]]:
     """(fqn, tensor) for the buffers ``state_dict()`` would save, in state-dict order."""
-    keys = set(rt.state_dict_keys)
-    out, seen = [], set()
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        for n, b in mod._buffers.items():
-            fqn = f"{mod_name}.{n}" if mod_name else n
-            if b is not None and fqn in keys and fqn not in seen and n not in mod._non_persistent_buffers_set:
-                seen.add(fqn)
-                out.append((fqn, b))
     order = {k: i for i, k in enumerate(rt.state_dict_keys)}
-    out.sort(key=lambda kv: order[kv[0]])
-    return out
+    out = dict((fqn, b) for fqn, b in engine_persistent_buffers(model) if fqn in order)
+    return sorted(out.items(), key=lambda kv: order[kv[0]])

@@ -39,7 +39,7 @@ from shardwise.engine import agree
 from shardwise.checkpoint.commit import write_commit_record
 from shardwise.checkpoint.frozen_base import check_record, frozen_dtype
 from shardwise.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TMP_PREFIX, TRASH_PREFIX,
-                                         dtype_name, fsync_dir, rank_file_name, write_json_durably,
+                                         dtype_name, fsync_dir, rank_file_name, replace_dir, write_json_durably,
                                          write_safetensors)
 from shardwise.checkpoint.model_description import describe
 from shardwise.checkpoint.model_index import (optimizer_class_name, optimizer_param_names, persistent_buffers,
@@ -106,7 +106,7 @@ def save_checkpoint(
         manifest = _manifest(indexes, rt, model, optimizer, step, world, frozen_base)
         write_commit_record(tmp, write_json_durably(tmp / MANIFEST_NAME, manifest))
         fsync_dir(tmp)  # every file's entry is durable before the directory can appear under its name
-        _replace_dir(tmp, final)
+        _commit_dir(tmp, final)
 
     try:
         agree.agreed(write_own_file, f"writing {tmp / file_name}")
@@ -131,18 +131,10 @@ def _checked_step(step: Any) -> Optional[int]:
     return value
 
 
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` to ``final`` (the commit point) and make the rename durable."""
-    trash = None
-    if final.exists():
-        # os.rename cannot replace a non-empty directory: move the old one aside first. A crash in between
-        # leaves only .trash-/.tmp- names, which readers skip.
-        trash = final.parent / f"{TRASH_PREFIX}{final.name}-{time.time_ns()}"
-        os.rename(final, trash)
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
+def _commit_dir(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final``: the commit point. A crash in between leaves only .trash-/.tmp- names,
+    which readers skip."""
+    replace_dir(tmp, final, final.parent / f"{TRASH_PREFIX}{final.name}-{time.time_ns()}")
 
 
 def _is_writer(rt) -> bool:

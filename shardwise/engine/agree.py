@@ -10,23 +10,22 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import traceback
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from shardwise.engine.collectives import broadcast_text
-from shardwise.engine.fingerprint import check_collective
+from shardwise.engine import flags
+from shardwise.engine.collectives import broadcast_text, run_and_wait
 from shardwise.engine.device import communication_device
+from shardwise.engine.fingerprint import check_collective
 from shardwise.errors import ShardwiseError
 
 T = TypeVar("T")
-DEBUG_ENV = "SHARDWISE_DEBUG"
 # Which agreement collective comes next, in the fingerprint's size field (fingerprint.check_collective): a
 # rank raising while another gathers JSON fails by name instead of pairing two different collectives.
-_RAISE_IF_ANY, _GATHER_JSON, _BROADCAST_JSON = 1, 2, 3  # the switch behind the CLI's --debug: tracebacks instead of one line
+_RAISE_IF_ANY, _GATHER_JSON, _BROADCAST_JSON = 1, 2, 3
 
 
 def is_distributed() -> bool:
@@ -56,7 +55,7 @@ def raise_if_any(problem: Optional[str]) -> None:
     me, n = dist.get_rank(), dist.get_world_size()
     device = comm_device()
     flag = torch.tensor([me if problem else n], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    run_and_wait(dist.all_reduce, flag, op=dist.ReduceOp.MIN, what="the agreement on which rank failed")
     first = int(flag.item())
     if first == n:
         return
@@ -75,7 +74,7 @@ def attempt(fn: Callable[[], T], what: str) -> tuple[Optional[T], Optional[str]]
         return None, str(e)
     except Exception as e:  # an OSError on one rank must still reach the others as text
         text = f"{what} failed on rank {rank()}: {describe_exception(e)}"
-        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        if flags.debug():
             text += "\n" + traceback.format_exc(limit=3)
         return None, text
 
@@ -104,7 +103,7 @@ def gather_json(obj: Any, dst: int = 0) -> Optional[list[Any]]:
     n, device = dist.get_world_size(), comm_device()
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
-    dist.all_gather(lengths, length)
+    run_and_wait(dist.all_gather, lengths, length, what="the exchange of every rank's JSON length")
     sizes = [int(t.item()) for t in lengths]
     longest = max(sizes)
     buf = torch.zeros(longest, dtype=torch.uint8)
@@ -112,7 +111,7 @@ def gather_json(obj: Any, dst: int = 0) -> Optional[list[Any]]:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     # all_gather rather than gather: NCCL has no gather, and this is a few kilobytes per rank.
     bufs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(n)]
-    dist.all_gather(bufs, buf.to(device))
+    run_and_wait(dist.all_gather, bufs, buf.to(device), what="the exchange of every rank's JSON")
     if dist.get_rank() != dst:
         return None
     return [json.loads(b[:size].cpu().numpy().tobytes().decode("utf-8")) for b, size in zip(bufs, sizes)]

@@ -74,43 +74,21 @@ def shard(
     mp = mixed_precision or MixedPrecision()
     pgs = resolve_groups(strategy, mesh)
     compute_device = _resolve_device(model, device, pgs)
-
     is_meta = any(p.is_meta for p in model.parameters())
     plan = build_plan(model, units, pgs.shard_size)
     state_dict_keys = list(model.state_dict(keep_vars=True).keys())
     flat_groups = {id(gp): FlatGroup(gp, pgs, compute_device, mp, offload, keep_gathered=strategy.keeps_params_gathered,
                                      all_reduce_grads=strategy.all_reduces_grads)
                    for gp in plan.groups()}
-    all_groups = list(flat_groups.values())
-    logical_shapes.register(all_groups)  # shardwise.param_info(p): each shard parameter's logical shape
+    logical_shapes.register(flat_groups.values())  # shardwise.param_info(p): each shard parameter's logical shape
+    _fill(model, plan, list(flat_groups.values()), compute_device, sync_module_states, is_meta, param_init_fn)
 
-    if sync_module_states:
-        materialize.fill_from_rank0(model, all_groups, compute_device)
-    elif is_meta:
-        materialize.fill_from_meta(model, all_groups, compute_device, param_init_fn)
-    else:
-        materialize.fill_from_full_params(all_groups)
-    if not sync_module_states:
-        for mod in model.modules():
-            for n, b in list(mod._buffers.items()):
-                if b is not None and b.device != compute_device and not b.is_meta:
-                    mod._buffers[n] = b.to(compute_device)
-
-    # The original parameter objects are retired: their memory is released, and an optimizer that still
-    # holds them (built before shard) is caught at its first step instead of silently doing nothing.
-    for gp in plan.groups():
-        for spec, shard_param in zip(gp.params, flat_groups[id(gp)].shard_params):
-            old = spec.refs[0].module._parameters[spec.refs[0].name]
-            adopt_tensor_hooks(old, shard_param)  # p.register_hook before shard() keeps working
-            old.data = torch.empty(0, dtype=old.dtype, device=old.device)
-            old._shardwise_retired = spec.fqn
-    optimizer_guard.install()  # retired parameters, optimizer classes, whose state (optimizer_guard.py)
-
-    runtime = ModelRuntime(strategy, pgs, mp, prefetch)
+    runtime = ModelRuntime(strategy, pgs, mp, prefetch, plan=plan, state_dict_keys=state_dict_keys,
+                           device=compute_device)
     if offload is not None:
         runtime.transfers = OffloadTransfers(compute_device, offload)
         runtime.before_forward.append(runtime.transfers.rotate)
-        for g in all_groups:
+        for g in flat_groups.values():
             g.transfers = runtime.transfers
     if checks_enabled():
         check_same_plan(_describe_plan(plan, strategy, pgs), _world_if_many())
@@ -119,33 +97,61 @@ def shard(
         for ui, up in enumerate(plan.units):
             for gi, gp in enumerate(up.groups):
                 flat_groups[id(gp)].attach_checker(runtime.checker, ui, gi)
-    for up in plan.units:
-        unit = Unit(up, [flat_groups[id(gp)] for gp in up.groups], runtime)
-        runtime.units.append(unit)
+    runtime.units = [Unit(up, [flat_groups[id(gp)] for gp in up.groups], runtime) for up in plan.units]
+    _install_hooks(model, runtime, activation_checkpointing)
+    if broadcast_buffers and pgs.data_parallel_size > 1:
+        sync = BufferBroadcast(model, runtime)
+        if sync.buffers:
+            runtime.before_forward.append(sync)
+    return model
+
+
+def _fill(model: nn.Module, plan, groups: list[FlatGroup], device: torch.device, sync_module_states: bool,
+          is_meta: bool, param_init_fn) -> None:
+    """Fill every shard (rank 0's values, a meta init, or this rank's slice of the eager parameters), move
+    buffers to the compute device, and retire the original parameter objects: their memory is released, and
+    an optimizer that still holds them (built before shard) is caught at its first step instead of silently
+    doing nothing."""
+    if sync_module_states:
+        materialize.fill_from_rank0(model, groups, device)
+    elif is_meta:
+        materialize.fill_from_meta(model, groups, device, param_init_fn)
+    else:
+        materialize.fill_from_full_params(groups)
+    if not sync_module_states:
+        for mod in model.modules():
+            for n, b in list(mod._buffers.items()):
+                if b is not None and b.device != device and not b.is_meta:
+                    mod._buffers[n] = b.to(device)
+    for g in groups:
+        for spec, shard_param in zip(g.plan.params, g.shard_params):
+            old = spec.refs[0].module._parameters[spec.refs[0].name]
+            adopt_tensor_hooks(old, shard_param)  # p.register_hook before shard() keeps working
+            old.data = torch.empty(0, dtype=old.dtype, device=old.device)
+            old._shardwise_retired = spec.fqn
+    optimizer_guard.install()  # retired parameters, optimizer classes, whose state (optimizer_guard.py)
+
+
+def _install_hooks(model: nn.Module, runtime: ModelRuntime, activation_checkpointing: bool) -> None:
+    """Bind every unit's shards and register its entry and exit hooks; mark every module as sharded."""
+    for unit in runtime.units:
+        up = unit.plan
         unit.bind_sharded()
         up.module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
         up.module.register_forward_hook(unit.post_forward, with_kwargs=True, always_call=True)
         if activation_checkpointing and not up.is_root:
             checkpoint_unit(unit)
-    # Modules that hold a unit's parameters enter the unit when called on their own (see runtime.py,
+    # Modules that hold a unit's parameters enter the unit when called on their own (see unit.py,
     # [Note: entries]): an encoder called by generate(), a head called directly, a recompute.
-    for module, ui in entry_modules(plan):
+    for module, ui in entry_modules(runtime.plan):
         unit = runtime.units[ui]
         module.register_forward_pre_hook(unit.pre_submodule, with_kwargs=True)
         module.register_forward_hook(unit.post_forward, with_kwargs=True, always_call=True)
-    runtime.plan = plan
-    runtime.state_dict_keys = state_dict_keys
-    runtime.device = compute_device
-    if broadcast_buffers and pgs.data_parallel_size > 1:
-        sync = BufferBroadcast(model, runtime)
-        if sync.buffers:
-            runtime.before_forward.append(sync)
     for m in model.modules():
         setattr(m, STATE_ATTR, runtime)  # runtime_of(any submodule): summon_full_params(model.encoder)
         # transformers' generate() keeps ranks stepping together (synced_gpus) for models it sees as
         # FSDP-managed: otherwise a rank that reaches EOS first stops calling forward and the others hang.
         m._is_fsdp_managed_module = True
-    return model
 
 
 def _world_if_many():

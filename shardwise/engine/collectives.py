@@ -19,7 +19,6 @@ through it too.
 
 from __future__ import annotations
 
-import os
 import sys
 from datetime import timedelta
 from typing import Callable, Optional
@@ -27,7 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from shardwise.engine import device as devices, watchdog
+from shardwise.engine import device as devices, flags, watchdog
 from shardwise.errors import ShardwiseError
 
 # torch 2.13 deprecates the *_tensor names in favour of *_single; 2.11 (the GPU image) only has the old ones.
@@ -43,7 +42,7 @@ def gathers_by_all_reduce(group, device: torch.device = torch.device("cpu")) -> 
     also carry an in-band header (fingerprint.py): where gloo carries them."""
     key = (id(group), device.type)
     if key not in _use_all_reduce_cache:
-        native = os.environ.get("SHARDWISE_GLOO_NATIVE_COLLECTIVES", "0") not in ("0", "", "false", "False")
+        native = flags.enabled(flags.GLOO_NATIVE_COLLECTIVES)
         _use_all_reduce_cache[key] = devices.backend_for(group, device) == "gloo" and not native
     return _use_all_reduce_cache[key]
 

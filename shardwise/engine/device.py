@@ -33,6 +33,19 @@ def backends(group=None) -> dict[str, str]:
     return out
 
 
+def nccl_usable() -> bool:
+    """Whether this machine can run NCCL: a CUDA GPU and a torch built with NCCL."""
+    return torch.cuda.is_available() and dist.is_nccl_available()
+
+
+def pick_backend(requested: str = "auto") -> str:
+    """The backend a launched job initialises: an explicit choice wins; "auto" is nccl where it is usable,
+    else gloo."""
+    if requested != "auto":
+        return requested
+    return "nccl" if nccl_usable() else "gloo"
+
+
 def backend_for(group, device: torch.device) -> str:
     """The backend that moves ``device``'s tensors on ``group`` ('' if none does)."""
     return backends(group).get(torch.device(device).type, "")

@@ -46,7 +46,6 @@ Turn the check off with ``SHARDWISE_CHECK_COLLECTIVES=0``.
 from __future__ import annotations
 
 import hashlib
-import os
 import weakref
 from collections import deque
 from typing import Callable, Optional, Sequence
@@ -54,7 +53,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.engine import collectives, watchdog
+from shardwise.engine import collectives, flags, watchdog
 from shardwise.errors import ShardwiseError
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast_buffers", "clip_grad_norm", "state_dict",
@@ -98,7 +97,7 @@ class Stamp:
 
 
 def checks_enabled() -> bool:
-    return os.environ.get("SHARDWISE_CHECK_COLLECTIVES", "1") not in ("0", "false", "False", "")
+    return flags.enabled(flags.CHECK_COLLECTIVES, default=True)
 
 
 class CollectiveChecker:

@@ -13,10 +13,9 @@ Buffer lifetimes (N = shard group size, P = padded numel of the group)::
                (an optimizer step, a synced backward, a load: see ``refresh_due``).
     grad flat  P elements, reduce dtype. Packed from the unit's gradients in backward, consumed by one
                reduce-scatter, freed when that finishes.
-    header     N x fingerprint.SLOT elements after ``gathered`` and ``grad flat`` (and R x SLOT after
-               ``grad shard`` for the all-reduce over R replicas), only where the collective runs as a
-               gloo all-reduce and the consistency check is on: every rank's fingerprint of the
-               collective, carried in band (see fingerprint.py).
+    header     room after ``gathered``, ``grad flat`` and ``grad shard`` for the collective's in-band
+               fingerprint, where it has one (``fingerprint``: group_fingerprint.py decides the room;
+               the data path only leaves it).
     grad shard P/N elements. The reduce-scatter output; each parameter's ``.grad`` is a view of it.
                ZeRO-1 (``all_reduce_grads``): the whole all-reduced gradient (P) stays alive behind these
                views, as ZeRO-1 keeps full gradients, until the ``.grad`` are dropped.
@@ -30,12 +29,11 @@ import weakref
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise.engine import collectives
-from shardwise.engine.fingerprint import SLOT, CollectiveChecker, Stamp
-from shardwise.engine.device import backend_for
+from shardwise.engine.fingerprint import CollectiveChecker, Stamp
+from shardwise.engine.group_fingerprint import GroupFingerprint, Unchecked
 from shardwise.errors import ShardwiseError
 from shardwise.engine.mixed_precision import MixedPrecision
 from shardwise.engine.cpu_offload import CPUOffload
@@ -83,20 +81,15 @@ class FlatGroup:
             nn.Parameter(torch.empty(0, dtype=plan.dtype), requires_grad=spec.requires_grad) for spec in plan.params]
         # The autograd input of this group's UnshardParams (runtime.py): an empty leaf that needs a gradient.
         self.grad_anchor = torch.empty(0, device=device, requires_grad=True)
+        # How this group's collectives are fingerprinted, and the room they need after the data.
+        self.fingerprint: Unchecked = Unchecked()
         self._allocate(plan.dtype, [None] * len(plan.params))
         self._gather_work = None
         self._gather_src: Optional[torch.Tensor] = None  # keeps a cast/moved shard alive during the collective
         self._gather_stamp: Optional[Stamp] = None
         self._unsynced_grad: Optional[torch.Tensor] = None  # no_sync accumulation, unsharded, reduce dtype
         self._warned_frozen = False
-        self.checker: Optional[CollectiveChecker] = None
         self.ids = (0, 0)  # (unit index, group index within the unit)
-        # In-band fingerprint room after the data (see fingerprint.py): in the gathered buffer and the
-        # grad flat for the shard group's collectives, after the grad shard for the replica all-reduce.
-        self.header_numel = 0
-        self.replica_header_numel = 0
-        self.grad_header_numel = 0  # room after the grad flat: for its reduce-scatter, or the all-reduce
-        self._in_band: dict[str, tuple[list[int], int]] = {}  # op -> (global ranks of its group, my slot)
 
     def _allocate(self, dtype: torch.dtype, values: list[Optional[torch.Tensor]]) -> None:
         """(Re)build the shard in master ``dtype`` and the gathered buffer in its compute dtype; each shard
@@ -134,11 +127,8 @@ class FlatGroup:
             # Collectives write through a second tensor on the same storage: it has its own version
             # counter, so refilling the buffer in backward does not trip autograd's check that saved
             # tensors (views of `gathered`) were not modified in place.
-            self._writer = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
-                self.gathered.untyped_storage(), 0, (plan.padded_numel,), (1,)
-            )
-            self.gathered.untyped_storage().resize_(0)
             self.state = GatherState.SHARDED
+            self._make_writer()
         # ZeRO-1/2 keep the gathered buffer across steps (nothing to keep when it is the shard itself).
         self.keep_gathered = self.wants_kept_gathered and not self.aliases_shard
         self.refresh_due = True  # the gathered buffer does not hold the shard's current values
@@ -186,57 +176,29 @@ class FlatGroup:
         if self._unsynced_grad is not None:
             self._unsynced_grad = self._unsynced_grad.to(self.reduce_dtype)
         if self.checker is not None:
-            self.attach_checker(self.checker, *self.ids)
+            self.attach_checker(self.checker, *self.ids)  # the room depends on the new compute dtype
+
+    @property
+    def checker(self) -> Optional[CollectiveChecker]:
+        return self.fingerprint.checker
+
+    def _make_writer(self) -> None:
+        """Collectives write through a second tensor on the gathered storage, the data plus the in-band
+        fingerprint's room: it has its own version counter, so refilling the buffer in backward does not trip
+        autograd's check that saved tensors (views of `gathered`) were not modified in place."""
+        numel = self.plan.padded_numel + self.fingerprint.room_gathered
+        self._writer = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
+            self.gathered.untyped_storage(), 0, (numel,), (1,))
+        if self.state is not GatherState.GATHERED:
+            self.gathered.untyped_storage().resize_(0)  # set_ grew the storage to fit: free it again
 
     def attach_checker(self, checker: CollectiveChecker, unit_index: int, group_index: int) -> None:
-        """Fingerprint every collective of this group from now on (see fingerprint.py). The fingerprint
-        rides in band wherever the collective is a gloo all-reduce: a sum that can carry it and that the
-        CPU reads back anyway (under NCCL reading it back would stall the CPU on the GPU)."""
-        self.checker, self.ids = checker, (unit_index, group_index)
-        self.header_numel = self.replica_header_numel = self.grad_header_numel = 0
-        self._in_band.clear()
-        shard, replicate = self.pgs.shard, self.pgs.replicate
-        if not carries_digits(self.param_dtype):
-            return  # bool / int8 cannot hold the digits 0-255 exactly under a sum: the side exchange checks
-        if shard is not None and collectives.gathers_by_all_reduce(shard, self.device):
-            slots = (dist.get_process_group_ranks(shard), self.pgs.shard_rank)
-            self._in_band["all_gather"] = self._in_band["reduce_scatter"] = slots
-            self.header_numel = len(slots[0]) * SLOT
-            self._writer = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
-                self.gathered.untyped_storage(), 0, (self.plan.padded_numel + self.header_numel,), (1,)
-            )
-            if self.state is GatherState.SHARDED:
-                self.gathered.untyped_storage().resize_(0)  # set_ grew the storage to fit: free it again
-        if replicate is not None and backend_for(replicate, self.device) == "gloo":
-            self._in_band["all_reduce"] = (dist.get_process_group_ranks(replicate), dist.get_rank(replicate))
-            self.replica_header_numel = len(self._in_band["all_reduce"][0]) * SLOT
-        if self.all_reduce_grads and backend_for(shard, self.device) == "gloo":
-            # ZeRO-1's gradient all-reduce runs over the shard group (no replicas): a gloo all-reduce always.
-            self._in_band["all_reduce"] = (dist.get_process_group_ranks(shard), self.pgs.shard_rank)
-            self.grad_header_numel = len(self._in_band["all_reduce"][0]) * SLOT
-        elif shard is None:
-            self.grad_header_numel = self.replica_header_numel
-        else:
-            self.grad_header_numel = self.header_numel
-
-    def _announce(self, op: str, numel: int, dtype: torch.dtype) -> Optional[Stamp]:
-        """Fingerprint the collective about to be issued: returns the header it must carry in band, or
-        None when it is exchanged out of band (or not checked)."""
-        if self.checker is None:
-            return None
-        if op in self._in_band:
-            ranks, my_slot = self._in_band[op]
-            return self.checker.stamp(op, self.ids[0], self.ids[1], numel, ranks, my_slot, dtype, self.device)
-        self.checker.check(op, self.ids[0], self.ids[1], numel)
-        return None
-
-    def _wait_checked(self, work, op: str, stamp: Optional[Stamp], buffer: Optional[torch.Tensor]) -> None:
-        """Wait for a collective; an in-band fingerprint arrives with the data and is checked before the
-        result is used. Out-of-band fingerprints are compared once per phase and at the end of backward,
-        before any gradient is handed out (fingerprint.py)."""
-        collectives.wait(work, what=self._what(op))
-        if stamp is not None:
-            self.checker.verify_stamp(stamp, buffer)
+        """Fingerprint every collective of this group from now on (group_fingerprint.py)."""
+        self.ids = (unit_index, group_index)
+        self.fingerprint = GroupFingerprint(checker, self.ids, self.pgs, self.device, self.param_dtype,
+                                            self.all_reduce_grads)
+        if not self.aliases_shard:
+            self._make_writer()
 
     def _what(self, op: str) -> str:
         return f"{op} of unit {self.plan.unit_fqn or '<root>'!r} ({self.plan.dtype}, {self.plan.padded_numel} elements)"
@@ -264,12 +226,12 @@ class FlatGroup:
         if self.pgs.shard is None:
             return self.shard.clone()
         padded = self.plan.padded_numel
-        stamp = self._announce("all_gather", padded, self.plan.dtype)  # in band, or the side exchange
+        stamp = self.fingerprint.announce("all_gather", padded, self.plan.dtype)  # in band, or the side exchange
         full = torch.empty(padded + (stamp.header.numel() if stamp else 0), dtype=self.plan.dtype,
                            device=self.shard.device)
         work = collectives.all_gather_into(full, self.shard, self.pgs.shard, async_op=True,
                                            header=stamp.header if stamp else None)
-        self._wait_checked(work, "all_gather", stamp, full)
+        self.fingerprint.wait(work, self._what("all_gather"), stamp, full)
         return full.narrow(0, 0, padded)
 
     # ---- unshard / reshard ------------------------------------------------------------------------
@@ -282,7 +244,7 @@ class FlatGroup:
         if self.state is not GatherState.SHARDED:
             return
         storage = self.gathered.untyped_storage()
-        storage.resize_((self.plan.padded_numel + self.header_numel) * self.param_dtype.itemsize)
+        storage.resize_((self.plan.padded_numel + self.fingerprint.room_gathered) * self.param_dtype.itemsize)
         src = self.shard
         if self.transfers is not None:
             src = self.transfers.shard_on_device(self)  # copied ahead on a side stream; waited here
@@ -293,7 +255,7 @@ class FlatGroup:
         if self.pgs.shard is None:
             self._writer.copy_(src)
         else:
-            stamp = self._announce("all_gather", self.plan.padded_numel, self.param_dtype)
+            stamp = self.fingerprint.announce("all_gather", self.plan.padded_numel, self.param_dtype)
             self._gather_work = collectives.all_gather_into(
                 self._writer, src, self.pgs.shard, async_op=True, header=stamp.header if stamp else None)
             self._gather_src, self._gather_stamp = src, stamp
@@ -305,7 +267,7 @@ class FlatGroup:
             work, stamp = self._gather_work, self._gather_stamp
             self._gather_work = self._gather_src = self._gather_stamp = None
             try:
-                self._wait_checked(work, "all_gather", stamp, self._writer)
+                self.fingerprint.wait(work, self._what("all_gather"), stamp, self._writer)
             except BaseException:
                 # A stalled or mismatched all-gather may still write into the buffer: never free it, and
                 # never wait on it a second time (a failed forward's always-called exit reshards).
@@ -334,7 +296,7 @@ class FlatGroup:
                 f"stay frozen and training is exact, but their zero gradients still travel in the unit's "
                 f"reduce-scatter; set requires_grad before shardwise.shard() to save that traffic", stacklevel=2)
         # Without a shard group the grad flat is itself what the replicas all-reduce: room for that header.
-        buffer = torch.empty(self.plan.padded_numel + self.grad_header_numel, dtype=self.reduce_dtype, device=self.device)
+        buffer = torch.empty(self.plan.padded_numel + self.fingerprint.room_grad_flat, dtype=self.reduce_dtype, device=self.device)
         flat = buffer.narrow(0, 0, self.plan.padded_numel)
         for spec, g in zip(self.plan.params, grads):
             dst = flat.narrow(0, spec.offset, spec.numel)
@@ -360,15 +322,15 @@ class FlatGroup:
             return PendingReduce(self, None, buffer, self.plan.padded_numel, None, divide_by=1 if pre_divide else dp)
         if self.all_reduce_grads:
             # ZeRO-1: every rank gets the whole summed gradient; its grad shard is a view of its chunk.
-            stamp = self._announce("all_reduce", self.plan.padded_numel, self.reduce_dtype)
+            stamp = self.fingerprint.announce("all_reduce", self.plan.padded_numel, self.reduce_dtype)
             work = collectives.all_reduce_sum(buffer, self.pgs.shard, async_op=True,
                                               header=stamp.header if stamp else None)
             return PendingReduce(self, buffer, buffer, self.plan.shard_numel, work, divide_by=1 if pre_divide else dp,
                                  stamp=stamp, op="all_reduce", out_offset=self.shard_start)
-        out_buffer = torch.empty(self.plan.shard_numel + self.replica_header_numel, dtype=self.reduce_dtype,
+        out_buffer = torch.empty(self.plan.shard_numel + self.fingerprint.room_grad_shard, dtype=self.reduce_dtype,
                                  device=self.device)
         out = out_buffer.narrow(0, 0, self.plan.shard_numel)
-        stamp = self._announce("reduce_scatter", self.plan.padded_numel, self.reduce_dtype)
+        stamp = self.fingerprint.announce("reduce_scatter", self.plan.padded_numel, self.reduce_dtype)
         work = collectives.reduce_scatter_into(out, buffer, self.pgs.shard, async_op=True,
                                                header=stamp.header if stamp else None)
         return PendingReduce(self, buffer, out_buffer, self.plan.shard_numel, work,
@@ -419,20 +381,20 @@ class PendingReduce:
         """Complete the reduction (every rank issued it) and hand out the gradient, or drop it (``discard``:
         the backward that produced it raised)."""
         g = self.group
-        g._wait_checked(self.work, self.op, self.stamp, self.flat)
+        g.fingerprint.wait(self.work, g._what(self.op), self.stamp, self.flat)
         self.flat = None  # the unsharded gradient buffer dies here (ZeRO-1: lives on behind the grad views)
         if discard:
             self.out_buffer = None
             return
         out = self.out_buffer.narrow(0, self.out_offset, self.out_numel)
         if g.pgs.replicate is not None:
-            stamp = g._announce("all_reduce", self.out_numel, out.dtype)
+            stamp = g.fingerprint.announce("all_reduce", self.out_numel, out.dtype)
             if stamp is None:
                 work = collectives.all_reduce_sum(out, g.pgs.replicate, async_op=True)
             else:
                 work = collectives.all_reduce_sum(self.out_buffer, g.pgs.replicate, async_op=True,
                                                   header=stamp.header)
-            g._wait_checked(work, "all_reduce", stamp, self.out_buffer)
+            g.fingerprint.wait(work, g._what("all_reduce"), stamp, self.out_buffer)
         if self.divide_by != 1:
             out.div_(self.divide_by)
         if g.transfers is not None:
@@ -473,10 +435,6 @@ def version_counter(t: torch.Tensor) -> int:
 def _home(p: torch.Tensor) -> tuple:
     return p.untyped_storage().data_ptr(), p.storage_offset(), p.dtype, p.device
 
-
-def carries_digits(dtype: torch.dtype) -> bool:
-    """Whether a sum in ``dtype`` delivers the in-band fingerprint digits 0-255 exactly (fingerprint.py)."""
-    return dtype.is_floating_point or dtype in (torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 def run_post_accumulate_grad_hooks(p: torch.Tensor) -> None:

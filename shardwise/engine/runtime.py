@@ -30,7 +30,8 @@ class ModelRuntime:
 
     MAX_PENDING_REDUCES = 2  # bounds the unsharded gradient buffers alive at once
 
-    def __init__(self, strategy: Strategy, groups: ProcessGroups, mixed_precision: MixedPrecision, prefetch: bool):
+    def __init__(self, strategy: Strategy, groups: ProcessGroups, mixed_precision: MixedPrecision, prefetch: bool,
+                 *, plan=None, state_dict_keys: Optional[list[str]] = None, device: Optional[torch.device] = None):
         self.strategy = strategy
         self.pgs = groups  # the process groups it shards and replicates over
         self.mixed_precision = mixed_precision
@@ -45,12 +46,12 @@ class ModelRuntime:
         self._recording: list[Unit] = []
         self._on_track = False  # this forward so far matches the recorded order
         self._pending: deque[PendingReduce] = deque()
-        # Set by shard() once the model is built around this runtime:
+        # Set by shard() once the flat groups exist:
         self.checker = None  # fingerprint.CollectiveChecker, when the check is on
         self.transfers = None  # offload_transfers.OffloadTransfers, under CPU offload
-        self.plan = None  # plan.ShardingPlan: the units, groups and parameters (checkpoints read it)
-        self.state_dict_keys = None  # the model's state_dict names before sharding (state_dict.py)
-        self.device: Optional[torch.device] = None  # the compute device
+        self.plan = plan  # plan.ShardingPlan: the units, groups and parameters (checkpoints read it)
+        self.state_dict_keys = state_dict_keys  # the model's state_dict names before sharding (state_dict.py)
+        self.device = device  # the compute device
 
     def flat_groups(self):
         """Every flat group of the model, unit by unit in model order: the one walk over the model's memory

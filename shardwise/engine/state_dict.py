@@ -18,6 +18,18 @@ from shardwise.errors import ShardwiseError
 from shardwise.engine.materialize import fill_group_from_rank0
 
 
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every buffer ``model.state_dict()`` saves, in module order: the one enumeration of
+    persistent buffers (checkpoints, pretrained loading). A buffer of a module reachable under two names
+    appears under both, as in ``state_dict()``."""
+    out = []
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for n, b in module._buffers.items():
+            if b is not None and n not in module._non_persistent_buffers_set:
+                out.append((f"{mod_name}.{n}" if mod_name else n, b))
+    return out
+
+
 def _entries(rt, model: nn.Module) -> dict[str, object]:
     """state_dict key -> ``(group, parameter index)`` for a sharded parameter, or the tensor itself for a
     buffer, in ``model.state_dict()`` order. Between steps every module holds its shard parameter, so

@@ -61,9 +61,10 @@ from typing import Callable, Optional, Union
 
 import torch.distributed as dist
 
+from shardwise.engine import flags
 from shardwise.errors import ShardwiseError
 
-ENV = "SHARDWISE_STALL_S"
+ENV = flags.STALL_S
 FLOOR_S = 30.0
 STEP_FACTOR = 5.0
 FIRST_STEP_S = 300.0

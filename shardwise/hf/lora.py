@@ -202,17 +202,8 @@ def _check_peft(model: nn.Module) -> None:
                              f"(or peft.get_peft_model) before shardwise.shard")
 
 
-def peft_config_dict(model: nn.Module) -> dict:
-    """The LoRA config of a peft model as plain JSON (sets as sorted lists), for a checkpoint's manifest."""
-    import json
-
-    _check_peft(model)
-    config = model.peft_config[ADAPTER_NAME].to_dict()
-    return json.loads(json.dumps(config, default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o)))
-
-
 def peft_model_from_dict(model: nn.Module, config: dict) -> nn.Module:
-    """``get_peft_model(model, LoraConfig(**config))`` for a ``peft_config_dict`` (keys this peft does not know
+    """``get_peft_model(model, LoraConfig(**config))`` for a manifest's ``peft_config`` (checkpoint/model_description.py; keys this peft does not know
     are dropped: a config written by another peft version). Works on a meta model."""
     import dataclasses
 

@@ -48,6 +48,7 @@ from shardwise.engine.runtime import STATE_ATTR
 from shardwise.engine import agree
 from shardwise.errors import ShardwiseError
 from shardwise.engine.hf_init import hf_param_init_fn, is_hf_model
+from shardwise.engine.state_dict import persistent_buffers as engine_persistent_buffers
 from shardwise.hf.weight_files import PretrainedWeights
 
 Rename = Callable[[str], str | None]
@@ -121,12 +122,14 @@ def _read_piece(weights: PretrainedWeights, target: Target, lo: int, dst: torch.
 
 
 def persistent_buffers(model: nn.Module) -> list[Target]:
-    out = []
-    for mod_name, module in model.named_modules():
-        for n, b in module._buffers.items():
-            if b is not None and n not in module._non_persistent_buffers_set:
-                out.append(Target([f"{mod_name}.{n}" if mod_name else n], tuple(b.shape), b.dtype, True))
-    return out
+    """One target per persistent buffer tensor, under all of its names (a shared module's buffer once)."""
+    by_id: dict[int, Target] = {}
+    for name, b in engine_persistent_buffers(model):
+        if id(b) in by_id:
+            by_id[id(b)].names.append(name)
+        else:
+            by_id[id(b)] = Target([name], tuple(b.shape), b.dtype, True)
+    return list(by_id.values())
 
 
 def unsharded_targets(model: nn.Module) -> list[Target]:

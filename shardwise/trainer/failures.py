@@ -14,7 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from shardwise.engine.agree import DEBUG_ENV, describe_exception
+from shardwise.engine import flags
+from shardwise.engine.agree import describe_exception
 from shardwise.errors import ShardwiseError
 from shardwise.trainer.config import ConfigError
 from shardwise.trainer.data import DataError
@@ -26,7 +27,7 @@ USER_ERRORS = (ShardwiseError, ConfigError, DataError, ModelError)
 
 
 def debug_enabled() -> bool:
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    return flags.debug()
 
 
 def one_line(e: BaseException) -> str:

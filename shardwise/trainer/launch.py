@@ -14,6 +14,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from shardwise.engine.device import pick_backend
+
 # torchrun (and the elastic agent) export these to every worker; a bare `python -m shardwise` has neither.
 _TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
 
@@ -22,13 +24,6 @@ def under_torchrun() -> bool:
     """True inside a worker started by torchrun / the elastic launcher (or any launcher that sets RANK and
     WORLD_SIZE the torch way, e.g. SLURM wrappers)."""
     return _TORCHRUN_ENV in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
-def pick_backend(requested: str = "auto") -> str:
-    """nccl when CUDA is usable, else gloo; an explicit choice wins."""
-    if requested != "auto":
-        return requested
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
 def init_worker(backend: str, timeout_s: float, threads_per_rank: int) -> torch.device:

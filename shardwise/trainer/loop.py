@@ -29,16 +29,26 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import shardwise
-from shardwise.engine.runtime import runtime_of
+from shardwise.engine.collectives import run_and_wait
 from shardwise.engine.device import compute_device
 from shardwise.engine.mixed_precision import named_policy
+from shardwise.engine.runtime import runtime_of
+from shardwise.hf.model_spec import ModelSpec, lm_loss, resolve_model
 from shardwise.trainer import config as config_mod
-from shardwise.trainer import failures, launch, metrics, plot, preflight, schedule, state
+from shardwise.trainer import (
+    failures,
+    launch,
+    metrics,
+    plot,
+    preflight,
+    schedule,
+    state,
+)
 from shardwise.trainer.config import TrainConfig
 from shardwise.trainer.lora_model import wrap_lora
 from shardwise.trainer.loss import global_loss_targets, loss_targets, micro_batch_loss
-from shardwise.hf.model_spec import ModelSpec, lm_loss, resolve_model
 from shardwise.trainer.sources import Sampler, open_training_data
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -120,7 +130,7 @@ def evaluate(model: nn.Module, spec: ModelSpec, sampler: Sampler, batches: int, 
         total[1] += loss_targets([y])
     model.train()
     if dist.get_world_size() > 1:
-        dist.all_reduce(total)
+        run_and_wait(dist.all_reduce, total, what="the sum of the validation loss over ranks")
     return float(total[0] / total[1])
 
 

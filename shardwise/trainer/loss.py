@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.trainer.data import IGNORE_INDEX
+from shardwise.engine.collectives import run_and_wait
 from shardwise.hf.model_spec import ModelSpec, lm_loss
+from shardwise.trainer.data import IGNORE_INDEX
 
 
 def loss_targets(targets: Sequence[torch.Tensor]) -> int:
@@ -34,7 +35,7 @@ def global_loss_targets(targets: Sequence[torch.Tensor], device: torch.device) -
     """``loss_targets`` summed over every rank (collective when distributed)."""
     count = torch.tensor([loss_targets(targets)], dtype=torch.int64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(count)
+        run_and_wait(dist.all_reduce, count, what="the count of loss targets over ranks")
     return int(count.item())
 
 

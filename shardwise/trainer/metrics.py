@@ -21,6 +21,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from shardwise.engine.collectives import run_and_wait
+
 GIB = 1024**3
 
 # Dense bf16 peak TFLOP/s of common accelerators (fp32 runs are judged against the same figure, as
@@ -128,7 +130,7 @@ class MetricsLogger:
     def _reduce(self, values: list[float], op) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         if self.world > 1:
-            dist.all_reduce(t, op=op)
+            run_and_wait(dist.all_reduce, t, op=op, what="the metrics' reduction over ranks")
         return t.tolist()
 
     def log(self, step: int, *, grad_norm: float, lr: float, val_loss: Optional[float] = None) -> Optional[dict]:

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from shardwise.engine.device import nccl_usable, pick_backend
 from shardwise.trainer.config import ConfigError, TrainConfig
 from shardwise.trainer.data import BYTE_VOCAB, DataError, open_splits, rank_bounds
 from shardwise.trainer.jsonl_data import check_files, is_jsonl_source, load_tokenizer
@@ -53,8 +53,8 @@ def check_before_launch(cfg: TrainConfig, world_size: int, local_ranks: int, lau
 
 
 def check_machine(cfg: TrainConfig, local_ranks: int, launching: bool) -> None:
-    nccl = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available() and dist.is_nccl_available())
-    if cfg.backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+    nccl = pick_backend(cfg.backend) == "nccl"
+    if cfg.backend == "nccl" and not nccl_usable():
         raise ConfigError("--backend nccl needs CUDA GPUs and a torch built with NCCL; this machine has "
                           f"{'no usable GPU' if not torch.cuda.is_available() else 'no NCCL'}: use --backend gloo "
                           f"(or auto)")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 
+from shardwise.engine.device import pick_backend
 from shardwise.trainer import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,7 +49,7 @@ def test_under_torchrun_detection(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert launch.under_torchrun()
-    assert launch.pick_backend("gloo") == "gloo"
+    assert pick_backend("gloo") == "gloo"
 
 
 def test_self_launched_two_ranks(tmp_path):
