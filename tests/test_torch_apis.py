@@ -44,6 +44,7 @@ class Ctx:
     ws: int
     sharded: bool
     strategy: str
+    config: dict = field(default_factory=dict)  # the GPT's config overrides (Row.config)
     trace: list = field(default_factory=list)
     scratch: dict = field(default_factory=dict)  # what a row keeps between its two halves (saved states)
 
@@ -76,6 +77,9 @@ class Row:
     # key bias) rounding noise becomes a visible step, so those rows compare the whole model at once
     # (parity_utils.whole_model_rel_err), as the mixed-precision parity tests do.
     whole_model: bool = False
+    # Sign-based optimizers (Rprop) step +-lr on gradients that are zero in theory (attention's key bias),
+    # whatever their rounding noise: their rows use the GPT without biases.
+    config: dict = field(default_factory=dict)
 
     def expected(self, strategy: str) -> Optional[str]:
         return self.expect(strategy) if callable(self.expect) else self.expect
@@ -172,7 +176,7 @@ def save_load(rank0_only: bool, other_plan: bool = False):
             blob = _broadcast_object(blob)  # rank 0 saved the file, every rank reads it
         if other_plan and ctx.sharded:  # the same model, now sharded over groups of one rank (same world)
             state = shardwise.full_state_dict(ctx.model)
-            ctx.model = _gpt()
+            ctx.model = _gpt(**ctx.config)
             ctx.model.load_state_dict(_broadcast_object(state))
             shardwise.shard(ctx.model, units={Block}, strategy="hybrid_shard", mesh=_mesh(ctx.ws))
         fresh = torch.optim.AdamW(ctx.params(), lr=1e-2)
@@ -306,10 +310,14 @@ ROWS = [
     Row("p.grad.norm() per parameter", train(after_backward=per_param_norms)),
     Row("parameters_to_vector(grads).norm()", train(after_backward=vector_norm_of_grads)),
     Row("p.grad mean, count_nonzero, dot, amin, isfinite().all()", train(after_backward=other_reductions)),
+    Row("torch.cat(pieces + a whole tensor).norm()",
+        train(after_backward=lambda ctx: ctx.record(torch.cat([g.view(-1) for g in ctx.grads()] + [torch.ones(3)]).norm())),
+        sharded_only("neither a piece nor a whole")),
     Row("p.grad.sort() (positions in the whole)", train(after_backward=lambda ctx: ctx.grads()[0].sort()),
         sharded_only("depends on positions in the whole tensor")),
     Row("vector_to_parameters", train(after_backward=vector_round_trip), "was changed after shardwise.shard()"),
-    *[Row(f"optim.{cls.__name__}", optimizer_row(cls, **kw), whole_model=cls is not torch.optim.SGD) for cls, kw in [
+    *[Row(f"optim.{cls.__name__}", optimizer_row(cls, **kw), whole_model=cls is not torch.optim.SGD,
+          config=dict(bias=False) if cls is torch.optim.Rprop else {}) for cls, kw in [
         (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
         (torch.optim.Adam, dict(lr=1e-2, amsgrad=True)), (torch.optim.AdamW, dict(lr=1e-2)),
         (torch.optim.Adagrad, dict(lr=1e-2, initial_accumulator_value=0.1)), (torch.optim.RMSprop, dict(lr=1e-3, centered=True, momentum=0.5)),
@@ -344,9 +352,9 @@ ROWS = [
 
 
 # ---- running the table ------------------------------------------------------------------------------------
-def _gpt():
+def _gpt(**config):
     torch.manual_seed(0)
-    return GPT(tiny_gpt_config())
+    return GPT(tiny_gpt_config(**config))
 
 
 def _attempt(fn) -> dict:
@@ -362,16 +370,17 @@ def _attempt(fn) -> dict:
 def _run_row(row: Row, strategy: str, rank: int, ws: int) -> dict:
     batches = make_batches(STEPS, VOCAB)
     hook = getattr(row.run, "hook_before_shard", None)
-    ref_model = _gpt()
-    model = _gpt()
+    ref_model = _gpt(**row.config)
+    model = _gpt(**row.config)
     if hook is not None:
         for p in model.parameters():
             p.register_hook(hook(p))
         for p in ref_model.parameters():
             p.register_hook(hook(p))
-    ref = Ctx(ref_model, 0, 1, sharded=False, strategy=strategy)
+    ref = Ctx(ref_model, 0, 1, sharded=False, strategy=strategy, config=row.config)
     ref_out = _attempt(lambda: row.run(ref, batches))
-    ctx = Ctx(shardwise.shard(model, units={Block}, strategy=strategy), rank, ws, sharded=True, strategy=strategy)
+    ctx = Ctx(shardwise.shard(model, units={Block}, strategy=strategy), rank, ws, sharded=True, strategy=strategy,
+              config=row.config)
     out = _attempt(lambda: row.run(ctx, batches))
     out["reference"] = ref_out
     if not out.get("shardwise_error") and not out.get("other_error") and not ref_out:

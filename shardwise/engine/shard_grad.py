@@ -79,15 +79,27 @@ class ShardGrad(torch.Tensor):
         if func in _REFUSED:
             raise ShardwiseError(
                 f"{_name(func)} on the gradient of a sharded parameter: the gradient is this rank's 1-D piece "
-                f"of the whole, and the answer depends on positions in the whole tensor; compute it inside "
-                f"shardwise.summon_full_params, or on a gradient hook's full gradient before shard()")
+                f"of the whole, and the answer depends on positions in the whole tensor; compute it in a tensor "
+                f"hook (p.register_hook), which sees the full gradient")
+        if func in _CONCATENATIONS:
+            _refuse_mixed(args[0] if args else kwargs.get("tensors", ()))
         with local_only():
             out = func(*args, **kwargs)
         if func in _FOLLOWS_PIECE:
             key = _key_of(args, kwargs)
-            if isinstance(out, torch.Tensor) and out.dim() <= 1:
+            if isinstance(out, torch.Tensor) and out.dim() == 1:  # (a view to another shape is no piece)
                 return as_shard_grad(out, key)
         return out
+
+
+def _refuse_mixed(tensors) -> None:
+    """A concatenation of pieces is a piece of the concatenated whole; with a whole tensor among them
+    (a gradient of a parameter outside the sharded model) it is neither, and its norm would count the
+    whole tensor once per rank."""
+    if any(not isinstance(t, ShardGrad) and t.numel() for t in tensors):
+        raise ShardwiseError(
+            "torch.cat of sharded gradients (this rank's pieces) with whole tensors: the result is neither a "
+            "piece nor a whole, so its norm or sum would be wrong; reduce the two kinds separately")
 
 
 def _name(func) -> str:
@@ -281,7 +293,8 @@ _REFUSED = {getattr(mod, n) for mod in (torch, torch.Tensor) for n in (
     "nanquantile", "std", "var", "std_mean", "var_mean", "cumsum", "cumprod", "cummax", "cummin", "logsumexp",
     "histc", "prod", "nansum", "nanmean") if hasattr(mod, n)}
 
-_FOLLOWS_PIECE = {torch.Tensor.data.__get__, torch.cat, torch.concat}
+_CONCATENATIONS = {torch.cat, torch.concat}
+_FOLLOWS_PIECE = {torch.Tensor.data.__get__} | _CONCATENATIONS
 _FOLLOWS_PIECE |= {getattr(torch.Tensor, n) for n in (
     "detach", "clone", "to", "float", "double", "half", "bfloat16", "cpu", "cuda", "contiguous", "abs", "neg",
     "pow", "square", "sqrt", "mul", "div", "add", "sub", "__mul__", "__rmul__", "__truediv__", "__add__",
