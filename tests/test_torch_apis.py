@@ -295,6 +295,25 @@ def _poison_first_element(ctx: Ctx, name: str):
             p.grad.view(-1)[0] = float("inf")
 
 
+class CustomStepAdam(torch.optim.Adam):
+    """A user's Adam with its own step: shardwise cannot tell what the step does."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+@shardwise.allow_optimizer
+class DeclaredAdam(CustomStepAdam):
+    """The same, declared elementwise by its author."""
+
+
+class DefaultsAdamW(torch.optim.AdamW):
+    """A subclass that only changes the defaults keeps AdamW's step: accepted as AdamW."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=1e-2, weight_decay=0.05)
+
+
 PIECE_OPTIMIZER = "is not a known elementwise optimizer"
 TORCH = "torch: "  # prefix: torch's own error, raised at construction on every rank (as in one process)
 NOT_ITS_STATE = "optimizer.state_dict() holds this rank's pieces only"
@@ -329,6 +348,9 @@ ROWS = [
     Row("optim.Adafactor", optimizer_row(torch.optim.Adafactor, lr=1e-2), PIECE_OPTIMIZER),
     Row("optim.Muon (torch's)", optimizer_row(torch.optim.Muon, lr=1e-2), TORCH + "Muon only supports 2D parameters"),
     Row("optim.SparseAdam", optimizer_row(torch.optim.SparseAdam, lr=1e-2), PIECE_OPTIMIZER),
+    Row("an Adam subclass with its own step", optimizer_row(CustomStepAdam, lr=1e-2), PIECE_OPTIMIZER),
+    Row("the same, declared with shardwise.allow_optimizer", optimizer_row(DeclaredAdam, lr=1e-2), whole_model=True),
+    Row("an AdamW subclass that keeps AdamW's step", optimizer_row(DefaultsAdamW), whole_model=True),
     Row("state_dict per rank, load_state_dict", save_load(rank0_only=False), whole_model=True),
     Row("state_dict saved by rank 0, loaded everywhere", save_load(rank0_only=True), sharded_only(NOT_ITS_STATE),
         whole_model=True),
