@@ -10,7 +10,6 @@ marked ``internal error``, and says how to see the traceback.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -111,41 +110,10 @@ def _quiet_launcher() -> Iterator[None]:
 
 
 def estimate_main(argv: Sequence[str]) -> int:
-    from shardwise.planner import memory as estimate
-    from shardwise.trainer.config import TrainConfig
+    from shardwise.planner.cli import main as run_estimate
+    from shardwise.trainer.config import INT_RANGES, TrainConfig
 
-    parser = estimate.make_parser(TrainConfig())
-    parser.error = _raise_usage  # type: ignore[method-assign]  # one line, not argparse's usage block
-    args = parser.parse_args(argv)
-    _check_estimate_args(args)
-    return estimate.main(argv, TrainConfig())
-
-
-def _check_estimate_args(args: argparse.Namespace) -> None:
-    """Numbers ``estimate-memory`` would otherwise plan with silently (or fail on deep inside)."""
-    from shardwise.usage import parse_size
-    from shardwise.trainer.config import INT_RANGES
-    from shardwise.hf.model_spec import resolve_model
-
-    for option, value, hi in (("--world-size", args.world_size, 2**24), ("--batch-size", args.batch_size, 2**20),
-                              ("--seq-len", args.seq_len, INT_RANGES["seq_len"][1]),
-                              ("--ranks-per-node", args.ranks_per_node, 2**16)):
-        if not 1 <= value <= hi:
-            raise UsageError(f"{option} {value}: must be between 1 and {hi}")
-    if args.sharding_strategy.startswith("hybrid") and args.world_size > args.ranks_per_node \
-            and args.world_size % args.ranks_per_node:
-        raise UsageError(f"--ranks-per-node {args.ranks_per_node} does not divide --world-size {args.world_size}: "
-                         f"{args.sharding_strategy} shards within a node and replicates across whole nodes")
-    spec = resolve_model(args.model)
-    if spec.max_seq_len is not None and args.seq_len > spec.max_seq_len:
-        raise UsageError(f"--seq-len {args.seq_len}: longer than {spec.name}'s {spec.max_seq_len} positions")
-    if args.device_memory is not None:
-        try:
-            if parse_size(args.device_memory) < 1:
-                raise ValueError
-        except ValueError:
-            raise UsageError(f"--device-memory {args.device_memory!r}: not a positive memory size (e.g. 80GB, "
-                             f"24GiB)") from None
+    return run_estimate(argv, TrainConfig(), max_seq_len=INT_RANGES["seq_len"][1])
 
 
 def _raise_usage(message: str):

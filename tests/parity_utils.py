@@ -65,6 +65,33 @@ def global_mean(value: torch.Tensor) -> float:
     return t.item()
 
 
+def max_over_ranks(x: float) -> float:
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def gather_objects(obj) -> list:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def routed_batches(steps: int, vocab: int, world_size: int, seq_len: int = SEQ_LEN,
+                   global_batch: int = GLOBAL_BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches for mixture-of-experts routing: rank r's rows draw their tokens from {30r + 2, 30r + 3}, so a
+    router sends each rank's tokens to a few experts, different ones on different ranks (a test checks
+    that, it does not assume it)."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(steps):
+        rows = [torch.randint(0, 2, (seq_len,), generator=g) + 30 * (i * world_size // global_batch) + 2
+                for i in range(global_batch)]
+        out.append((torch.stack(rows), torch.randint(0, vocab, (global_batch, seq_len), generator=g)))
+    return out
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64; the absolute error when ``b`` is all zeros."""
     a = a.detach().to("cpu", torch.float64).reshape(-1)

@@ -118,7 +118,8 @@ class FlatGroup:
 
         # With one rank per shard group, no cast and no offload, the "gathered" buffer *is* the shard:
         # nothing to communicate and nothing to free (no_shard / DDP).
-        self.aliases_shard = self.pgs.shard_size == 1 and self.param_dtype == dtype and self.offload is None
+        self.aliases_shard = gathered_aliases_shard(self.pgs.shard_size, dtype, self.param_dtype,
+                                                    offloaded=self.offload is not None)
         if self.aliases_shard:
             self.gathered = self.shard
             self.state = GatherState.GATHERED
@@ -424,6 +425,14 @@ def _refresh_after_optimizer_steps() -> None:
 
     register_optimizer_step_post_hook(mark_stale)
     _refresh_hook_installed = True
+
+
+def gathered_aliases_shard(shard_size: int, master_dtype: torch.dtype, compute_dtype: torch.dtype,
+                           offloaded: bool) -> bool:
+    """Whether a flat group's gathered buffer *is* its shard (no second copy, nothing gathered or freed):
+    one rank per shard group, no cast to a compute dtype, and the shard on the compute device. The memory
+    planner asks the same question."""
+    return shard_size == 1 and compute_dtype == master_dtype and not offloaded
 
 
 def version_counter(t: torch.Tensor) -> int:

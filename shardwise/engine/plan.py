@@ -155,14 +155,19 @@ def resolve_unit_modules(model: nn.Module, units: Optional[UnitsSpec]) -> list[t
     return found
 
 
+def no_split_classes(model: nn.Module) -> set[type]:
+    """The block classes a Hugging Face model names in ``_no_split_modules`` (empty for other models): the
+    one reading of that attribute, for ``units="auto"`` and the trainer's default units."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return {type(m) for m in model.modules() if type(m).__name__ in names} if names else set()
+
+
 def _auto_unit_predicate(model: nn.Module) -> Callable[[nn.Module], bool]:
     """Hugging Face models name their blocks in ``_no_split_modules``; otherwise take the children of the
     largest ``nn.ModuleList`` (by parameter count), which is where transformer blocks live."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    if names:
-        classes = {type(m) for m in model.modules() if type(m).__name__ in names}
-        if classes:
-            return lambda m: type(m) in classes
+    classes = no_split_classes(model)
+    if classes:
+        return lambda m: type(m) in classes
     best, best_count = None, -1
     for m in model.modules():
         if isinstance(m, nn.ModuleList) and len(m) > 0:

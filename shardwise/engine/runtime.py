@@ -28,7 +28,10 @@ from shardwise.errors import ShardwiseError
 class ModelRuntime:
     """State shared by all units of one sharded model: phase, forward order, pending reductions."""
 
-    MAX_PENDING_REDUCES = 2  # bounds the unsharded gradient buffers alive at once
+    MAX_PENDING_REDUCES = 2  # reductions left in flight while backward goes on (add_pending finishes older ones)
+    # Unsharded gradient flats alive at once: the pending ones plus the one being packed, which
+    # FlatGroup.reduce_grads allocates before add_pending finishes the oldest (what the planner counts).
+    MAX_GRAD_FLATS_ALIVE = MAX_PENDING_REDUCES + 1
 
     def __init__(self, strategy: Strategy, groups: ProcessGroups, mixed_precision: MixedPrecision, prefetch: bool,
                  *, plan=None, state_dict_keys: Optional[list[str]] = None, device: Optional[torch.device] = None):

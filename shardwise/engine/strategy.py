@@ -59,6 +59,16 @@ class Strategy(enum.Enum):
     def is_hybrid(self) -> bool:
         return self in (Strategy.HYBRID_SHARD, Strategy.HYBRID_SHARD_ZERO2)
 
+    def shard_group_size(self, world_size: int, ranks_per_node: int) -> int:
+        """How many ranks one parameter's shards are spread over: none for no_shard, one node's ranks for the
+        hybrid strategies (replicated across nodes), every rank otherwise. ``resolve_groups`` lays the
+        default groups out by it and the memory planner sizes shards by it."""
+        if self is Strategy.NO_SHARD:
+            return 1
+        if self.is_hybrid:
+            return max(1, min(world_size, ranks_per_node))
+        return world_size
+
     @classmethod
     def parse(cls, value: Union[str, "Strategy"]) -> "Strategy":
         if isinstance(value, Strategy):
@@ -104,7 +114,7 @@ def resolve_groups(strategy: Strategy, mesh) -> ProcessGroups:
         )
     if mesh is None:
         if strategy.is_hybrid:
-            mesh = _default_hybrid_mesh()
+            mesh = _default_hybrid_mesh(strategy)
         else:
             return _groups_1d(strategy, dist.group.WORLD)
     ndim = mesh.ndim
@@ -133,9 +143,9 @@ def resolve_groups(strategy: Strategy, mesh) -> ProcessGroups:
 
 def _groups_1d(strategy: Strategy, group) -> ProcessGroups:
     size = dist.get_world_size(group)
-    if strategy == Strategy.NO_SHARD:
+    if strategy.shard_group_size(size, size) == 1:  # no_shard, or one rank
         return ProcessGroups(None, group if size > 1 else None, 1, 0, size)
-    return ProcessGroups(group if size > 1 else None, None, size, dist.get_rank(group), 1)
+    return ProcessGroups(group, None, size, dist.get_rank(group), 1)
 
 
 def _default_device_type() -> str:
@@ -144,7 +154,7 @@ def _default_device_type() -> str:
     return compute_device([]).type
 
 
-def _default_hybrid_mesh():
+def _default_hybrid_mesh(strategy: Strategy):
     """Shard inside a node, replicate across nodes: the layout HSDP users mean by default."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -155,4 +165,5 @@ def _default_hybrid_mesh():
             f"hybrid strategies need mesh=a 2-D DeviceMesh; could not infer one from WORLD_SIZE={world} "
             f"and LOCAL_WORLD_SIZE={local}"
         )
-    return init_device_mesh(_default_device_type(), (world // local, local), mesh_dim_names=("replicate", "shard"))
+    shard = strategy.shard_group_size(world, local)
+    return init_device_mesh(_default_device_type(), (world // shard, shard), mesh_dim_names=("replicate", "shard"))

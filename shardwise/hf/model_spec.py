@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from shardwise.hf.presets import ARCH_PRESETS
 from shardwise.errors import ShardwiseError
 from shardwise.engine.hf_init import hf_param_init_fn
+from shardwise.engine.plan import no_split_classes
 from shardwise.models.gpt import GPT, PRESETS, Block, GPTConfig
 from shardwise.hf.pretrained import load_pretrained, skip_weight_init
 from shardwise.checkpoint.files import RUN_MODEL_FILES, copy_model_files
@@ -85,8 +86,7 @@ class ModelSpec:
         """The transformer block class(es): GPT's Block, or the HF model's ``_no_split_modules``."""
         if self.kind == "gpt":
             return {Block}
-        names = set(getattr(model, "_no_split_modules", None) or [])
-        return {type(m) for m in model.modules() if type(m).__name__ in names}
+        return no_split_classes(model)
 
     def units(self, model: nn.Module, auto_wrap: str, cls_names: list[str]):
         """The ``units=`` argument for ``shardwise.shard`` from the Accelerate-style wrap settings."""

@@ -12,7 +12,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardwise.usage import parse_size
 from shardwise.checkpoint.format import write_safetensors
 from shardwise.checkpoint.values import decode, encode
 from shardwise.errors import ShardwiseError
@@ -66,7 +65,3 @@ def test_extra_round_trips_without_pickle():
 def test_extra_refuses_what_it_cannot_store_without_pickle():
     with pytest.raises(ShardwiseError, match=r"extra\.sched of type object"):
         encode({"sched": object()}, lambda w, t: "k")
-
-
-def test_parse_size():
-    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("100") == 100
