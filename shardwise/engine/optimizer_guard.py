@@ -27,6 +27,7 @@ changes, or its state is replaced by ``load_state_dict``), so a step costs a dic
 from __future__ import annotations
 
 import inspect
+import weakref
 import zlib
 from typing import Optional
 
@@ -37,7 +38,9 @@ from shardwise.engine import collectives
 from shardwise.errors import ShardwiseError
 
 STAMP_KEY = "shardwise_piece"
-_GUARD_ATTR = "_shardwise_guard"
+# optimizer -> its _Guard; beside the optimizer, not in it: a guard holds flat groups (and through them
+# process groups), which copy.deepcopy(optimizer) or pickling it must not meet.
+_GUARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _WHERE_ATTR = "_shardwise_where"  # logical_shapes: (FlatGroup, index) on every shard parameter
 
 # Verified elementwise per element (torch 2.13 sources): every per-parameter tensor of state has the
@@ -78,7 +81,7 @@ def is_elementwise(cls: type) -> bool:
 
 
 class _Guard:
-    """What is known about one optimizer (kept in its ``__dict__``)."""
+    """What is known about one optimizer (kept in ``_GUARDS``)."""
 
     __slots__ = ("numel", "pieces", "state")
 
@@ -187,7 +190,7 @@ def _shard_groups(guard: _Guard) -> list:
 def _stamp_state_dict(optimizer, state_dict: dict) -> dict:
     """``register_state_dict_post_hook``: stamp each piece's entry of the returned dict (copies: the entries
     are ``optimizer.state``'s own dicts)."""
-    guard = optimizer.__dict__.get(_GUARD_ATTR)
+    guard = _GUARDS.get(optimizer)
     if guard is None:
         return state_dict
     index = {id(p): i for i, p in enumerate(_params(optimizer))}  # state_dict() numbers params in this order
@@ -202,13 +205,13 @@ def _stamp_state_dict(optimizer, state_dict: dict) -> dict:
 def examine(optimizer) -> _Guard:
     """The optimizer's guard, (re)built when its parameters changed: raises for retired parameters and
     optimizer classes that are not elementwise over pieces."""
-    guard = optimizer.__dict__.get(_GUARD_ATTR)
+    guard = _GUARDS.get(optimizer)
     numel = sum(len(g["params"]) for g in optimizer.param_groups)
     if guard is None or guard.numel != numel:
         if guard is None and hasattr(optimizer, "register_state_dict_post_hook"):  # public since torch 2.3
             optimizer.register_state_dict_post_hook(_stamp_state_dict)
         guard = _examine(optimizer)
-        optimizer.__dict__[_GUARD_ATTR] = guard
+        _GUARDS[optimizer] = guard
     return guard
 
 
