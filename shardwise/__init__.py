@@ -13,6 +13,7 @@ from shardwise.optim.offload_optimizer import OffloadOptimizer, offload_optimize
 from shardwise.engine.logical_shapes import ParamInfo, named_param_infos, num_parameters, param_info
 from shardwise.hf.export import export_checkpoint
 from shardwise.hf.pretrained import load_pretrained, skip_weight_init
+from shardwise.hf.quantization import QuantSettings, quantize_model
 from shardwise.engine.state_dict import full_state_dict, load_full_state_dict
 from shardwise.engine.strategy import Strategy
 
@@ -32,6 +33,8 @@ __all__ = [
     "export_checkpoint",
     "load_pretrained",
     "skip_weight_init",
+    "QuantSettings",
+    "quantize_model",
     "MixedPrecision",
     "ShardedGradScaler",
     "CPUOffload",

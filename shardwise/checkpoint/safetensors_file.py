@@ -192,13 +192,19 @@ class SafetensorsFile:
     def update_fingerprint(self, digest, sample_bytes: int = 1 << 16) -> None:
         """Feed ``digest`` this file's size, its whole header (names, dtypes, shapes, offsets) and up to three
         ``sample_bytes`` samples of its data section (start, middle, end): a cheap identity of a big file,
-        see ``weight_files.weights_identity`` for what it does and does not tell apart."""
+        ``weight_files.file_layout_identity``, which older LoRA checkpoints recorded."""
         (n,) = struct.unpack("<Q", self._pread(8, 0))
         digest.update(struct.pack("<Q", self.size))
         digest.update(self._pread(8 + n, 0))
         start, length = 8 + n, self.size - 8 - n
         for at in sorted({start, start + max(0, length - sample_bytes) // 2, start + max(0, length - sample_bytes)}):
             digest.update(self._pread(min(sample_bytes, self.size - at), at))
+
+    def tensor_bytes(self, key: str, start: int, n: int) -> bytes:
+        """Bytes ``[start, start + n)`` of tensor ``key``'s data, clipped to the tensor."""
+        info = self.info(key)
+        start = min(max(0, start), info.nbytes)
+        return self._pread(min(n, info.nbytes - start), info.begin + start)
 
     def sha256(self, chunk_bytes: int = 16 << 20) -> str:
         """SHA-256 of the file's bytes, read from this descriptor into one reused buffer. Not a memory map:

@@ -117,9 +117,9 @@ def export_main(argv: Optional[Sequence[str]] = None) -> int:
         files = export_checkpoint(src, args.out, max_shard_bytes=args.max_shard_size,
                                   dtype=_DTYPES[args.dtype] if args.dtype else None,
                                   verify_checksums=not args.no_verify, merge=args.merge, base=args.base)
-    except ShardwiseError as e:
+    except ShardwiseError as e:  # refused, naming the file (shardwise.cli: one exit-status rule)
         print(f"shardwise export: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     print(f"exported {src} -> {args.out} ({len(files)} file{'s' if len(files) != 1 else ''})")
     return 0
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from shardwise.checkpoint.format import dtype_from_name
 from shardwise.checkpoint.match import alias_map
+from shardwise.hf.quantization import QuantSettings
 from shardwise.hf.rebuild import rebuild_on_meta
 from shardwise.checkpoint.safetensors_file import SafetensorsFile
 from shardwise.errors import ShardwiseError
@@ -60,9 +61,8 @@ def _read_param(manifest: dict, files: dict[str, SafetensorsFile], names: list[s
 def write_adapter(manifest: dict, files: dict[str, SafetensorsFile], tmp: Path) -> list[str]:
     """The peft adapter directory into ``tmp``: what ``save_pretrained`` of the trained peft model writes."""
     from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
 
-    from shardwise.hf.lora import ADAPTER_NAME, ADAPTER_WEIGHTS
+    from shardwise.hf.lora import ADAPTER_NAME, ADAPTER_WEIGHTS, write_adapter_files
 
     model = _peft_on_meta(manifest)
     trainable = {name: _read_param(manifest, files, [name]) for name, p in model.named_parameters() if p.requires_grad}
@@ -70,11 +70,8 @@ def write_adapter(manifest: dict, files: dict[str, SafetensorsFile], tmp: Path) 
     if missing:  # description_problem compared the names already: only a hand-made manifest gets here
         raise ShardwiseError(f"the checkpoint holds no {missing[0]}, an adapter of its LoRA model")
     tensors = {k: v.contiguous() for k, v in get_peft_model_state_dict(model, state_dict=trainable).items()}
-    save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = model.peft_config[ADAPTER_NAME]
-    config.base_model_name_or_path = manifest.get("frozen_base", {}).get("source")
-    config.inference_mode = True  # as peft's save_pretrained writes it
-    config.save_pretrained(str(tmp))  # adapter_config.json
+    # a run over a random base (config.json only) has no base directory: its base is in the checkpoint
+    write_adapter_files(tmp, tensors, model.peft_config[ADAPTER_NAME], manifest.get("frozen_base", {}).get("source"))
     return [ADAPTER_WEIGHTS]
 
 
@@ -144,14 +141,18 @@ def merged_source(ckpt: Path, manifest: dict, files: dict[str, SafetensorsFile],
 
 def _checked_base_dir(ckpt: Path, record: dict, base: os.PathLike | None) -> Path:
     """The base directory of an adapter-only checkpoint, its weights' identity checked against the record."""
-    from shardwise.hf.weight_files import weights_identity
+    from shardwise.hf.weight_files import identity_for
 
     directory = Path(base) if base is not None else Path(record["source"])
     option = "--base" if base is not None else f"{ckpt}'s base (pass --base DIR if it moved)"
     if not directory.is_dir():
         raise ShardwiseError(f"{option}: {directory} is not a directory; --merge of an adapter-only checkpoint reads "
                              f"the base weights from it")
-    identity = weights_identity(directory)
+    if (directory / "config.json").is_file() and QuantSettings.from_pretrained(directory) is not None:
+        raise ShardwiseError(f"{option}: {directory} holds only 4-bit (bitsandbytes) weights; --merge adds the "
+                             f"adapters to the high-precision weights: pass --base DIR with the bf16/fp32 original, "
+                             f"or export the adapter alone")
+    identity = identity_for(directory, record["weights_sha256"])
     if identity != record["weights_sha256"]:
         raise ShardwiseError(f"{option}: the weights in {directory} (identity {identity[:12]}...) are not the base "
                              f"{ckpt} was trained over ({record['source']}, identity "

@@ -14,8 +14,10 @@ the wrapped model starts out equal to its base) on top of the model's init.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.errors import ShardwiseError
+from shardwise.hf.quantization import has_quantised, register_with_peft
 
 ADAPTER_NAME = "default"  # peft's name for the one adapter get_peft_model adds
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the file names PeftModel.from_pretrained looks for
@@ -51,23 +54,46 @@ class LoraSettings:
                           target_modules=list(self.target_modules) or None, task_type="CAUSAL_LM")
 
 
+@contextlib.contextmanager
+def quiet_peft() -> Iterator[None]:
+    """peft (0.21) reads ``model.is_gradient_checkpointing``, which transformers 5 deprecated with a
+    FutureWarning: printed by every LoRA run, about nothing the user did or can change."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
 def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     """``peft.get_peft_model(model, ...)`` with the frozen base cast to ``settings.base_dtype``; works on a
     meta model too. Call it before ``shardwise.shard`` (freezing after shard() costs traffic, see README)."""
     config = settings.peft_config()
     from peft import get_peft_model
 
+    quantised = has_quantised(model)
+    if quantised:  # a 4-bit base: peft wraps QuantLinear through its custom-module hook
+        register_with_peft(config)
     try:
-        peft_model = get_peft_model(model, config)
+        with quiet_peft(), warnings.catch_warnings():
+            if quantised:  # peft: "Unsupported layer type ... proceed at your own risk", once per QuantLinear
+                warnings.filterwarnings("ignore", message="Unsupported layer type")
+            peft_model = get_peft_model(model, config)
     except ValueError as e:  # peft's "Target modules {...} not found in the base model"
         raise ShardwiseError(f"lora target_modules {','.join(settings.target_modules) or '(peft default)'}: "
-                             f"{str(e).splitlines()[0]}") from None
+                             f"{str(e).splitlines()[0]}; {_module_names_hint(model)}") from None
     if settings.base_dtype is not None:
         with torch.no_grad():
             for p in peft_model.parameters():
                 if not p.requires_grad and p.is_floating_point():
                     p.data = p.data.to(settings.base_dtype)
     return peft_model
+
+
+def _module_names_hint(model: nn.Module) -> str:
+    """The names LoRA can target in ``model``: the last name part of every linear-like leaf module."""
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                    if n and not list(m.children())
+                    and (isinstance(m, (nn.Linear, nn.Embedding, nn.Conv1d)) or type(m).__name__ == "Conv1D")})
+    return f"module names in {type(model).__name__}: {', '.join(names)}" if names else "the model has no linear modules"
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -127,19 +153,36 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in get_peft_model_state_dict(model, state_dict=trainable).items()}
 
 
-def save_adapter(model: nn.Module, out: str | os.PathLike) -> Path | None:
+def save_adapter(model: nn.Module, out: str | os.PathLike, base: str | None = None) -> Path | None:
     """Write ``out/adapter_config.json`` + ``out/adapter_model.safetensors`` (what ``PeftModel.from_pretrained
-    (base, out)`` loads) from a sharded peft model. Collective; rank 0 writes and returns ``out``."""
-    from safetensors.torch import save_file
-
+    (base, out)`` loads) from a sharded peft model. ``base``: the base model directory, recorded as the
+    config's ``base_model_name_or_path``. Collective; rank 0 writes and returns ``out``."""
     sd = adapter_state_dict(model)
     if dist.get_rank() != 0:
         return None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(sd, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    model.peft_config[ADAPTER_NAME].save_pretrained(str(out))
+    write_adapter_files(out, sd, model.peft_config[ADAPTER_NAME], base)
     return out
+
+
+def write_adapter_files(out: Path, tensors: dict[str, torch.Tensor], config, base: str | None) -> None:
+    """The two files of a peft adapter directory, as ``save_pretrained`` of the peft model writes them, with
+    the base's directory as ``base_model_name_or_path`` (where ``PeftModel.from_pretrained`` users and
+    ``shardwise generate`` look for it)."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    path = out / ADAPTER_WEIGHTS
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)  # safetensors writes 0600; the directory's other files are the umask's
+    config = copy.copy(config)
+    config.base_model_name_or_path = base
+    config.inference_mode = True  # as peft's save_pretrained writes it
+    config.save_pretrained(str(out))
 
 
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -212,7 +255,8 @@ def peft_model_from_dict(model: nn.Module, config: dict) -> nn.Module:
     known = {f.name for f in dataclasses.fields(LoraConfig)}
     try:
         lora_config = LoraConfig(**{k: v for k, v in config.items() if k in known})
-        return get_peft_model(model, lora_config)
+        with quiet_peft():
+            return get_peft_model(model, lora_config)
     except (TypeError, ValueError) as e:
         raise ShardwiseError(f"peft_config: not a LoRA config this peft accepts: {str(e).splitlines()[0][:200]}") from None
 

@@ -65,22 +65,24 @@ class ModelSpec:
         if self.kind == "hf" and os.path.isdir(self.source):
             copy_model_files(self.source, os.path.join(out, RUN_MODEL_FILES))
 
-    def load_weights(self, model: nn.Module, rename=None) -> None:
+    def load_weights(self, model: nn.Module, quantization=None) -> None:
         """After ``shard()``: each rank reads its shards of the pretrained weights (``shardwise.load_pretrained``;
-        ``rename``: a peft-wrapped model's names, see ``shardwise.hf.lora.pretrained_name``)."""
+        a peft-wrapped model's base under the base's names; ``quantization``: the 4-bit base's settings)."""
         if self.weights_dir is not None:
-            load_pretrained(model, self.weights_dir, rename=rename)
+            load_pretrained(model, self.weights_dir, quantization=quantization)
 
-    def frozen_base(self) -> Optional[dict]:
+    def frozen_base(self, recorded: Optional[dict] = None) -> Optional[dict]:
         """The record an adapter-only checkpoint keeps of its base (``checkpoint.frozen_base``): the weights
         directory and their identity; None for a random base (config.json only), whose checkpoints must keep
-        the base itself, since no file could give it back."""
+        the base itself, since no file could give it back. ``recorded``: the record of the checkpoint about
+        to be loaded (its identity may be the older, file-layout one: ``weight_files.identity_for``)."""
         if self.weights_dir is None:
             return None
         from shardwise.checkpoint.frozen_base import base_record
-        from shardwise.hf.weight_files import weights_identity
+        from shardwise.hf.weight_files import identity_for
 
-        return base_record(os.path.abspath(self.weights_dir), weights_identity(self.weights_dir))
+        identity = identity_for(self.weights_dir, recorded["weights_sha256"] if recorded else None)
+        return base_record(os.path.abspath(self.weights_dir), identity)
 
     def default_block_classes(self, model: nn.Module) -> set[type]:
         """The transformer block class(es): GPT's Block, or the HF model's ``_no_split_modules``."""
@@ -127,6 +129,13 @@ def resolve_model(name: str) -> ModelSpec:
         return ModelSpec(name, "gpt", cfg, cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_embd)
     if name.endswith(".json") or os.path.isdir(name) or os.path.sep in name:
         if not os.path.exists(name):
+            if _looks_like_hub_id(name):
+                import difflib
+
+                close = difflib.get_close_matches(name.split("/")[1].lower(), list(ARCH_PRESETS), n=1, cutoff=0.7)
+                hint = f" (the architecture preset {close[0]!r}?)" if close else ""
+                raise ModelError(f"unknown model {name!r}{hint}: not a directory here, and shardwise downloads "
+                                 f"nothing; {_valid_models()}")
             raise ModelError(f"model config {name!r} does not exist")
         gpt = _shardwise_gpt_config(name)
         if gpt is not None:
@@ -138,8 +147,18 @@ def resolve_model(name: str) -> ModelSpec:
         return _hf_spec(f"{cfg.model_type}:{os.path.basename(os.path.normpath(name))}", cfg, _weights_dir(name), name)
     if name in ARCH_PRESETS:
         return _hf_spec(name, hf_model.hf_config_from_dict(ARCH_PRESETS[name], f"preset {name!r}"))
-    raise ModelError(f"unknown model {name!r}; valid: {', '.join(PRESETS)}, the architecture presets "
-                     f"{', '.join(ARCH_PRESETS)} (random init), or a path to a Hugging Face config.json")
+    raise ModelError(f"unknown model {name!r}; {_valid_models()}")
+
+
+def _valid_models() -> str:
+    return (f"valid: {', '.join(PRESETS)}, the architecture presets {', '.join(ARCH_PRESETS)} (random init), a "
+            f"Hugging Face model directory or config.json")
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    """``org/name`` as on the Hugging Face Hub (``meta-llama/Llama-2-70b-hf``): one slash, no path syntax."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and not name.endswith(".json")
 
 
 def _hf_spec(name: str, cfg, weights_dir: Optional[str] = None, source: str = "") -> ModelSpec:

@@ -48,6 +48,10 @@ from shardwise.engine.runtime import STATE_ATTR
 from shardwise.engine import agree
 from shardwise.errors import ShardwiseError
 from shardwise.engine.hf_init import hf_param_init_fn, is_hf_model
+from shardwise.hf.quantized_load import (QuantTarget, gather_absmax, load_prequantised, local_absmax,
+                                         match_quantised, quant_targets, quantise_pieces, unsharded_quant_targets)
+from shardwise.quant.linear import QuantLinear
+from shardwise.hf.quantization import QuantSettings, check_quantised_model
 from shardwise.engine.state_dict import persistent_buffers as engine_persistent_buffers
 from shardwise.hf.weight_files import PretrainedWeights
 
@@ -65,21 +69,29 @@ class Target:
     key: str | None = None  # the file tensor it is read from, once matched
 
 
-def load_pretrained(model: nn.Module, directory: os.PathLike | str, *, rename: Rename | None = None) -> nn.Module:
+def load_pretrained(model: nn.Module, directory: os.PathLike | str, *, rename: Rename | None = None,
+                    quantization: "QuantSettings | None" = None) -> nn.Module:
     """Fill a ``shardwise.shard()``-ed model with the weights of Hugging Face model directory ``directory``
     (``model.safetensors``, or ``model-*.safetensors`` with ``model.safetensors.index.json``). Collective:
     call it on every rank, right after ``shard()`` and before training. Returns ``model``.
 
     ``rename`` maps a model name to the name it has in the checkpoint's model (before Hugging Face's own
     renaming rules), or None for a parameter the file does not hold and that keeps its ``shard()`` init
-    (adapters added by peft, say). Raises ShardwiseError on every rank, naming the file or tensor, for a
+    (adapters added by peft, say). Default: none, and for a peft-wrapped model
+    ``lora.pretrained_name``. Raises ShardwiseError on every rank, naming the file or tensor, for a
     directory without safetensors weights, a damaged file, a hostile index, a missing or misshapen weight.
     """
     runtime = getattr(model, STATE_ATTR, None)
     if runtime is None or getattr(runtime, "plan", None) is None:
         raise ShardwiseError(f"load_pretrained: {type(model).__name__} is not sharded; call shardwise.shard(model, "
                              f"param_init_fn=shardwise.skip_weight_init(model)) on the meta-built model first")
-    unexpected = agree.agreed(lambda: _load(model, runtime, directory, rename), f"loading weights from {directory}")
+    if quantization is not None:
+        check_quantised_model(model, quantization)
+    what = f"loading weights from {directory}"
+    unexpected, to_quantise = agree.agreed(lambda: _load(model, runtime, directory, rename), what)
+    if to_quantise:  # 4-bit weights stored in high precision: see quantized_load.py
+        gather_absmax(to_quantise)
+        agree.agreed(lambda: _quantise_on_load(directory, to_quantise), what)
     if unexpected and agree.rank() == 0:
         warnings.warn(f"{directory}: {len(unexpected)} tensor(s) in the files are not used by "
                       f"{type(model).__name__}: {', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}",
@@ -87,27 +99,44 @@ def load_pretrained(model: nn.Module, directory: os.PathLike | str, *, rename: R
     return model
 
 
-def _load(model: nn.Module, runtime, directory, rename: Rename | None) -> list[str]:
-    params = [Target([r.fqn for r in spec.refs], tuple(spec.shape), spec.dtype, False)
-              for spec in runtime.plan.params()]
+def _load(model: nn.Module, runtime, directory, rename: Rename | None) -> tuple[list[str], list[QuantTarget]]:
+    """Read every piece this rank owns; returns the unused file tensors and the 4-bit weights that still
+    have to be quantised (after their absmax vectors are gathered)."""
+    hf, prefix = _hf_model(model)
+    rename = rename if rename is not None else _default_rename(model)
+    quantised, covered = quant_targets(runtime, prefix, rename)
+    specs = [spec for spec in runtime.plan.params() if id(spec) not in covered]
+    params = [Target([r.fqn for r in spec.refs], tuple(spec.shape), spec.dtype, False) for spec in specs]
     targets = params + persistent_buffers(model)
     with PretrainedWeights(directory) as weights:
         unexpected = match(model, targets, weights, rename)
-        specs = list(runtime.plan.params())
+        if quantised:
+            used = match_quantised(quantised, weights, _hf_key_mapping(hf, {t.name + ".weight" for t in quantised})[0])
+            unexpected = [k for k in unexpected if k not in used]
         by_spec = {id(spec): t for spec, t in zip(specs, params)}
         with torch.no_grad():
             for unit in runtime.units:
                 for group in unit.flat_groups:
                     for spec, (lo, hi, at) in zip(group.plan.params, group.local_slices):
-                        target = by_spec[id(spec)]
-                        if target.key is None or hi <= lo:
+                        target = by_spec.get(id(spec))
+                        if target is None or target.key is None or hi <= lo:
                             continue
                         _read_piece(weights, target, lo, group.shard.narrow(0, at, hi - lo))
             for target in targets[len(params):]:
                 if target.key is not None:
                     buf = model.get_buffer(target.names[0])
                     buf.copy_(weights.read(target.key).reshape(buf.shape))
-    return unexpected
+            to_quantise = [t for t in quantised if not t.prequantised]
+            for t in quantised:
+                load_prequantised(weights, t) if t.prequantised else local_absmax(weights, t)
+    return unexpected, to_quantise
+
+
+@torch.no_grad()
+def _quantise_on_load(directory, targets: list[QuantTarget]) -> None:
+    with PretrainedWeights(directory) as weights:
+        for t in targets:
+            quantise_pieces(weights, t)
 
 
 def _read_piece(weights: PretrainedWeights, target: Target, lo: int, dst: torch.Tensor) -> None:
@@ -135,7 +164,11 @@ def persistent_buffers(model: nn.Module) -> list[Target]:
 def unsharded_targets(model: nn.Module) -> list[Target]:
     """The targets of a model that is not sharded (the launcher checks a meta model before workers start)."""
     by_id: dict[int, Target] = {}
+    quantised = {id(p) for m in model.modules() if isinstance(m, QuantLinear) for n, p in m.named_parameters()
+                 if n != "bias"}  # checked by check_loadable through quantized_load
     for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in quantised:
+            continue
         if id(p) in by_id:
             by_id[id(p)].names.append(name)
         else:
@@ -148,6 +181,10 @@ def check_loadable(model: nn.Module, directory: os.PathLike | str) -> None:
     index, names, shapes, dtypes. Raises ShardwiseError naming what is wrong."""
     with PretrainedWeights(directory) as weights:
         match(model, unsharded_targets(model), weights, None)
+        hf, prefix = _hf_model(model)
+        targets = unsharded_quant_targets(model, prefix)
+        if targets:
+            match_quantised(targets, weights, _hf_key_mapping(hf, {t.name + ".weight" for t in targets})[0])
 
 
 # ---- matching names -----------------------------------------------------------------------------------------
@@ -157,6 +194,7 @@ def match(model: nn.Module, targets: list[Target], weights: PretrainedWeights, r
     """Set ``target.key`` for every target the file holds; raise for a missing parameter or a mismatch.
     Returns the file tensors nothing uses (after Hugging Face's ignore rules)."""
     hf, prefix = _hf_model(model)
+    rename = rename if rename is not None else _default_rename(model)
     local: dict[str, Target] = {}  # the name in the HF model (after ``rename``) -> target
     for t in targets:
         for name in t.names:
@@ -201,6 +239,14 @@ def match(model: nn.Module, targets: list[Target], weights: PretrainedWeights, r
     return sorted(unexpected)
 
 
+def _default_rename(model: nn.Module) -> Rename | None:
+    """A peft-wrapped model's base is read under the base model's names (``lora.pretrained_name``); its
+    adapters are not in the files and keep their init."""
+    from shardwise.hf.lora import is_peft_model, pretrained_name
+
+    return pretrained_name if is_peft_model(model) else None
+
+
 def _check_tied_equal(weights: PretrainedWeights, t: Target, keys: list[str], chunk: int = 1 << 20) -> None:
     """A tied parameter found under several names must hold the same values under each: ``from_pretrained``
     would untie them otherwise, which a model built with them tied cannot represent. Compared in chunks."""
@@ -218,9 +264,13 @@ def _check_tied_equal(weights: PretrainedWeights, t: Target, keys: list[str], ch
 
 
 def _hf_model(model: nn.Module) -> tuple[nn.Module, str]:
-    """The Hugging Face model inside ``model`` (itself, or the first submodule that is one) and its name prefix."""
+    """The Hugging Face model inside ``model`` (itself, or the first submodule that is one) and its name prefix.
+
+    The class must define ``base_model_prefix`` itself: peft's wrappers forward unknown attributes to the model
+    they wrap, so a ``PeftModelForCausalLM`` answers ``_init_weights`` and ``base_model_prefix`` too, and taking
+    it for the Hugging Face model would ask the files for peft's names (``base_model.model.model...``)."""
     for name, m in model.named_modules():
-        if is_hf_model(m) and hasattr(m, "base_model_prefix"):
+        if is_hf_model(m) and hasattr(type(m), "base_model_prefix"):
             return m, f"{name}." if name else ""
     raise ShardwiseError(f"load_pretrained: {type(model).__name__} holds no Hugging Face model "
                          f"(transformers PreTrainedModel); it loads Hugging Face model directories only")

@@ -131,17 +131,38 @@ class PretrainedWeights:
         return self.where[key][0].read(key, start, stop)
 
 
+IDENTITY_SAMPLE_BYTES = 4096
+
+
 def weights_identity(directory: os.PathLike | str) -> str:
     """A cheap SHA-256 identity of a model directory's weights, without reading the multi-GB payload: for
-    every weight file (sorted by name) its name, size and whole safetensors header, plus three 64 KiB
-    samples of its data section (``SafetensorsFile.update_fingerprint``).
+    every tensor, sorted by name, its name, dtype and shape and three samples of its bytes (start, middle
+    and end, ``IDENTITY_SAMPLE_BYTES`` each).
 
-    Why that is enough for an adapter-only checkpoint to recognise its base: the header fixes every
-    tensor's name, dtype, shape and place, so another architecture, config, dtype or save layout differs
-    there; and two checkpoints of one architecture (a base and its fine-tune, two training runs) differ in
-    nearly every weight, so in the sampled bytes too. What it does not catch: an edit confined to bytes
-    outside the samples (one tensor changed in place, in the middle of a file), or a file rewritten with
-    the same bytes under the samples. A full SHA-256 would, at the cost of reading every byte."""
+    It is an identity of the tensors, not of the files: the same weights saved as one file or as nine
+    (another ``max_shard_size``, another tool) have the same identity. Why that is enough for an
+    adapter-only checkpoint to recognise its base: names, dtypes and shapes fix the architecture, config
+    and dtype; and two checkpoints of one architecture (a base and its fine-tune, two training runs) differ
+    in nearly every weight, so in every tensor's samples too. What it does not catch: an edit confined to
+    bytes outside the samples (a few values changed in the middle of a tensor). A full SHA-256 would, at
+    the cost of reading every byte."""
+    import hashlib
+
+    digest = hashlib.sha256(b"shardwise weights identity v2\0")
+    with PretrainedWeights(directory) as weights:
+        for key in sorted(weights.where):
+            f, info = weights.where[key]
+            digest.update(json.dumps([key, str(info.dtype), list(info.shape)]).encode() + b"\0")
+            last = max(0, info.nbytes - IDENTITY_SAMPLE_BYTES)
+            for at in sorted({0, last // 2, last}):
+                digest.update(f.tensor_bytes(key, at, IDENTITY_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def file_layout_identity(directory: os.PathLike | str) -> str:
+    """The identity checkpoints recorded before ``weights_identity`` (shardwise 0.1.0): SHA-256 over each
+    weight file's name, size, whole header and three 64 KiB samples of its data. It depends on how the
+    weights are split into files; kept only so that those checkpoints still recognise their base."""
     import hashlib
 
     digest = hashlib.sha256()
@@ -150,3 +171,12 @@ def weights_identity(directory: os.PathLike | str) -> str:
             digest.update(f.path.name.encode() + b"\0")
             f.update_fingerprint(digest)
     return digest.hexdigest()
+
+
+def identity_for(directory: os.PathLike | str, recorded: str | None = None) -> str:
+    """The identity of ``directory``'s weights to compare with ``recorded`` (a checkpoint's): ``recorded``
+    itself when the directory has it under either rule, else ``weights_identity``."""
+    identity = weights_identity(directory)
+    if recorded is not None and recorded != identity and file_layout_identity(directory) == recorded:
+        return recorded
+    return identity

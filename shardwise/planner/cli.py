@@ -49,6 +49,9 @@ def make_parser(defaults: Any) -> argparse.ArgumentParser:
     ap.add_argument("--lora-target-modules", default="", help="comma-separated module names (default: peft's)")
     ap.add_argument("--lora-base-dtype", default="", choices=("",) + tuple(MASTER_DTYPES),
                     help="dtype of the frozen base (default: --dtype)")
+    ap.add_argument("--load-in-4bit", "--load_in_4bit", action="store_true",
+                    help="QLoRA: the frozen base in 4 bits (bitsandbytes' NF4 layout; needs --lora-r)")
+    ap.add_argument("--bnb-4bit-quant-type", "--bnb_4bit_quant_type", default="nf4", choices=("nf4", "fp4"))
     ap.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return ap
 
@@ -105,7 +108,8 @@ def main(argv: Optional[Sequence[str]], defaults: Any, max_seq_len: int) -> int:
         activation_checkpointing=args.activation_checkpointing, batch_size=args.batch_size, seq_len=args.seq_len,
         dtype=args.dtype, ranks_per_node=args.ranks_per_node, device=args.device,
         transformer_layer_cls_to_wrap=_names(args.transformer_layer_cls_to_wrap), lora_r=args.lora_r,
-        lora_target_modules=_names(args.lora_target_modules), lora_base_dtype=args.lora_base_dtype)
+        lora_target_modules=_names(args.lora_target_modules), lora_base_dtype=args.lora_base_dtype,
+        load_in_4bit=args.load_in_4bit, bnb_4bit_quant_type=args.bnb_4bit_quant_type)
     cache: dict = {}
     try:
         plan = plan_memory(inputs, _cache=cache)
@@ -128,6 +132,10 @@ def render(p: MemoryPlan) -> str:
         f"cpu_offload={p.cpu_offload}, activation_checkpointing={p.activation_checkpointing}, "
         f"batch {p.batch_size} x seq {p.seq_len} per rank",
         f"  {'parameter shards':<34}{fmt_bytes(p.param_shard_bytes):>14}",
+        *([f"  {'  of which the 4-bit base':<34}{fmt_bytes(p.quantised_shard_bytes):>14}   (packed + scales, "
+           f"1/{p.shard_size} each)",
+           f"  {'largest dequantised matrix':<34}{fmt_bytes(p.dequantised_weight_bytes):>14}   (in activations)"]
+          if p.quantised_shard_bytes else []),
         f"  {'gradient shards':<34}{fmt_bytes(p.grad_shard_bytes):>14}",
         f"  {'optimizer shards (AdamW)':<34}{fmt_bytes(p.optim_shard_bytes):>14}",
         f"  {'largest unit, gathered':<34}{fmt_bytes(p.gathered_unit_bytes):>14}",

@@ -72,6 +72,9 @@ class PlanInputs:
     lora_r: int = 0  # > 0: peft LoRA adapters of this rank, the base frozen (no gradients, no optimizer state)
     lora_target_modules: tuple[str, ...] = ()  # () -> peft's default for the architecture
     lora_base_dtype: str = ""  # the frozen base's dtype (fp32/bf16); "" -> the master dtype
+    load_in_4bit: bool = False  # QLoRA: the Linears' weights in bitsandbytes' 4-bit format (planner/quantized.py)
+    bnb_4bit_quant_type: str = "nf4"
+    double_quant: bool = True
 
 
 @dataclass
@@ -111,6 +114,8 @@ class MemoryPlan:
     min_world_size: Optional[int] = None  # the fewest ranks at which this configuration fits (None: none does)
     offload_device_bytes: Optional[int] = None  # with --cpu-offload at this world size: per device...
     offload_host_bytes: Optional[int] = None  # ... and the host memory it needs per rank
+    quantised_shard_bytes: int = 0  # --load-in-4bit: this rank's 4-bit base bytes (in param_shard_bytes)
+    dequantised_weight_bytes: int = 0  # --load-in-4bit: the largest matrix dequantised for its matmul
 
 
 # ---- the model on meta ---------------------------------------------------------------------------------
@@ -137,6 +142,10 @@ def build_meta_model(inputs: PlanInputs):
         master = MASTER_DTYPES[inputs.dtype]
         if master != torch.float32:
             model = model.to(master)
+        if inputs.load_in_4bit:
+            from shardwise.planner.quantized import quantise_meta_model
+
+            quantise_meta_model(model, inputs.bnb_4bit_quant_type, inputs.double_quant, inputs.lora_r)
         if inputs.lora_r:
             if spec.kind != "hf":
                 raise ValueError(f"--lora-r needs a Hugging Face model (peft wraps its modules); {spec.name} is a "
@@ -150,7 +159,8 @@ def build_meta_model(inputs: PlanInputs):
 
 
 def _model_key(inputs: PlanInputs) -> tuple:
-    return ("model", inputs.model, inputs.dtype, inputs.lora_r, inputs.lora_target_modules, inputs.lora_base_dtype)
+    return ("model", inputs.model, inputs.dtype, inputs.lora_r, inputs.lora_target_modules, inputs.lora_base_dtype,
+            inputs.load_in_4bit, inputs.bnb_4bit_quant_type, inputs.double_quant)
 
 
 # ---- the plan ------------------------------------------------------------------------------------------
@@ -252,12 +262,19 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
                        largest_trainable_shard=max((_stored_bytes(g, g.shard_numel) for g in plan.groups()
                                                     if g.requires_grad), default=0))
     activations = prof.peak(inputs.activation_checkpointing)
+    quantised_shard = dequantised = uncounted = 0
+    if inputs.load_in_4bit:  # one matrix dequantised at a time, in forward, recompute and backward alike
+        from shardwise.planner.quantized import quantised_figures
+
+        compute_itemsize = (policy.param_dtype or MASTER_DTYPES[inputs.dtype]).itemsize
+        quantised_shard, dequantised, uncounted = quantised_figures(model, plan, compute_itemsize)
+        activations += dequantised
     backward_peak, step_peak = _peaks(inputs, buffers, activations, prof)
     total = max(backward_peak, step_peak)
     offloaded = param_shard + grad_shard + optim_shard if inputs.cpu_offload else 0
     params = list(plan.params())
     return MemoryPlan(
-        model=spec.name, num_params=sum(p.numel for p in params),
+        model=spec.name, num_params=sum(p.numel for p in params) + uncounted,
         trainable_params=sum(p.numel for p in params if p.requires_grad), world_size=inputs.world_size,
         shard_size=shard_size, sharding_strategy=strategy.value, mixed_precision=inputs.mixed_precision,
         cpu_offload=inputs.cpu_offload, activation_checkpointing=inputs.activation_checkpointing,
@@ -270,7 +287,8 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
         backward_peak_bytes=backward_peak, optimizer_step_peak_bytes=step_peak,
         device_bytes_offloaded=offloaded, total_bytes=total, lora_r=inputs.lora_r,
         offload_device_bytes=total if inputs.cpu_offload else None,
-        offload_host_bytes=offloaded if inputs.cpu_offload else None)
+        offload_host_bytes=offloaded if inputs.cpu_offload else None,
+        quantised_shard_bytes=quantised_shard, dequantised_weight_bytes=dequantised)
 
 
 def _activations(inputs: PlanInputs, cache: dict, spec, model, plan: ShardingPlan,

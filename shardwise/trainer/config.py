@@ -28,8 +28,10 @@ from shardwise.usage import ConfigError
 class TrainConfig:
     # ---- what to train on -----------------------------------------------------------------------------
     model: str = "gpt-small"
-    """GPT preset (gpt-tiny, gpt-small, gpt-34m, gpt-170m, gpt-480m, gpt-1b, gpt-1.5b) or a path to a Hugging
-    Face causal-LM config.json (Llama, Qwen2, Mistral, GPT-2, ...), built with random weights."""
+    """A Hugging Face model directory (config.json + model.safetensors or model-*.safetensors with their index):
+    its pretrained weights, each rank reading only its own shards, and its tokenizer; a config.json (or a
+    directory with no weights): that architecture with random weights; or a GPT preset (gpt-tiny, gpt-small,
+    gpt-34m, gpt-170m, gpt-480m, gpt-1b, gpt-1.5b) or architecture preset (llama-3.2-1b, ...), random weights."""
     data: str = "stdlib"
     """'stdlib' (this Python's own standard-library .py sources, byte-level, nothing downloaded), a text file,
     a directory of text files, a .bin file of uint16 token ids (nanoGPT format), or a .jsonl file (or a
@@ -50,11 +52,12 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.1
-    """The cosine schedule decays to lr x min_lr_ratio at the last step."""
+    """The cosine or linear schedule decays to lr x min_lr_ratio at the last step."""
     warmup_steps: int = 10
     """Linear warmup from 0 to lr over this many steps."""
     lr_schedule: str = "cosine"
-    """cosine (warmup then cosine decay) or constant (warmup then flat)."""
+    """cosine (warmup then cosine decay), linear (warmup then linear decay, Hugging Face's default) or constant
+    (warmup then flat)."""
     weight_decay: float = 0.1
     """AdamW weight decay, applied to matrices only (not to biases, norms or 1-element shards)."""
     adam_beta1: float = 0.9
@@ -68,6 +71,12 @@ class TrainConfig:
     """Clip the global gradient norm to this (0 disables clipping; the norm is still logged)."""
     seed: int = 0
     """Seeds weights, data order and dropout; the same seed gives the same run."""
+    defaults: str = "auto"
+    """Whose defaults the options not given take: shardwise (lr 3e-3, cosine to 10% after 10 warm-up steps,
+    weight decay 0.1, beta2 0.95, batch 16, seq-len 128), huggingface (the Trainer's and run_clm.py's: lr 5e-5,
+    linear to 0, no warm-up, weight decay 0, beta2 0.999, batch 8, seq-len the model's positions up to 1024), or
+    auto: huggingface when the command line spells an option the Hugging Face way (--learning_rate, --fsdp,
+    --bf16 ...), else shardwise. Options given always win; the run's first line says which defaults it used."""
 
     # ---- sharding (Accelerate's fsdp_config names) ------------------------------------------------------
     sharding_strategy: str = "full_shard"
@@ -97,6 +106,14 @@ class TrainConfig:
     """Module names that get adapters (e.g. q_proj,v_proj); empty: peft's default for the architecture."""
     lora_base_dtype: str = "fp32"
     """fp32 or bf16: the dtype the frozen base is kept in (adapters keep fp32 masters)."""
+    load_in_4bit: bool = False
+    """QLoRA (needs lora_r and --model DIR with weights): the base's Linears in bitsandbytes' 4-bit layout, sharded (~0.52 bytes per weight, scales included) and dequantised one matrix at a time; a bf16/fp32 DIR is quantised on load, a pre-quantised one read by copy."""
+    bnb_4bit_quant_type: str = "nf4"
+    """nf4 or fp4 (with load_in_4bit)."""
+    bnb_4bit_use_double_quant: bool = True
+    """Quantise the per-block scales too (bitsandbytes' double quantisation, TRL's --use_bnb_nested_quant)."""
+    bnb_4bit_quant_storage: str = "uint8"
+    """Accepted for TRL/HF command lines; the 4-bit bytes are always stored as uint8, never viewed as floats."""
 
     # ---- run directory, logging, checkpoints ------------------------------------------------------------
     out: str = "runs/train"
@@ -132,10 +149,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "sharding_strategy": STRATEGY_NAMES + tuple(STRATEGY_ALIASES),
     "auto_wrap": ("transformer_based_wrap", "no_wrap"),
     "mixed_precision": ("no", "bf16", "fp16"),
-    "lr_schedule": ("cosine", "constant"),
+    "lr_schedule": ("cosine", "linear", "constant"),
+    "defaults": ("auto", "shardwise", "huggingface"),
     "optimizer": ("adamw", "muon"),
     "backend": ("auto", "gloo", "nccl"),
     "lora_base_dtype": ("fp32", "bf16"),
+    "bnb_4bit_quant_type": ("nf4", "fp4"),
+    "bnb_4bit_quant_storage": ("uint8", "int8", "bfloat16", "float16", "float32", "float64"),
 }
 
 # Accelerate fsdp_config / HF TrainingArguments spellings -> our key.
@@ -161,6 +181,7 @@ ALIASES: dict[str, str] = {
     "model_name": "model",
     "train_file": "data",
     "dataset": "data",
+    "use_bnb_nested_quant": "bnb_4bit_use_double_quant",
 }
 
 # Inclusive integer ranges. The upper bounds are where a value stops making sense on any machine (and, for
@@ -172,6 +193,13 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "timeout_s": (1, 7 * 24 * 3600), "seed": (0, 2**32 - 1), "lora_r": (0, 2**16),
 }
 _NON_NEGATIVE = ("lr", "weight_decay", "max_grad_norm", "peak_tflops")
+
+
+# What ``defaults = "huggingface"`` changes: HF TrainingArguments' and run_clm.py's values where they differ from
+# ours (seq_len: run_clm's block_size, min(1024, the model's positions), filled in by ``resolve``).
+HF_DEFAULTS: dict[str, Any] = {"lr": 5e-5, "lr_schedule": "linear", "min_lr_ratio": 0.0, "warmup_steps": 0,
+                               "weight_decay": 0.0, "adam_beta2": 0.999, "batch_size": 8}
+HF_MAX_BLOCK_SIZE = 1024
 
 
 def option_label(key: str) -> str:
@@ -200,17 +228,32 @@ def canonical_key(key: str) -> str:
     k = ALIASES.get(k, k)
     names = _fields()
     if k not in names:
-        # Answer in the spelling the user wrote in: --dashes on the command line, underscores in TOML.
-        spell = (lambda n: "--" + n.replace("_", "-")) if key.startswith("--") else (lambda n: n)
-        close = difflib.get_close_matches(k, list(names), n=1)
-        hint = f" (did you mean {spell(close[0])!r}?)" if close else ""
-        hf = ""
-        if "_" in key.lstrip("-") and key.startswith("--"):  # spelled the Hugging Face way
-            from shardwise.trainer.hf_args import accepted_text
+        from shardwise.trainer.hf_args import NO_MEANING
 
-            hf = f"; {accepted_text()}"
-        raise ConfigError(f"unknown config key {key!r}{hint}; valid keys: {', '.join(spell(n) for n in names)}{hf}")
+        if k in NO_MEANING and key.startswith("--"):
+            raise ConfigError(f"{key}: a Hugging Face Trainer flag with no meaning here ({NO_MEANING[k]}); drop it")
+        if not key.startswith("--"):  # a TOML file: no --help at hand, so the keys themselves
+            raise ConfigError(f"unknown config key {key!r}{suggestion(key)}; valid keys: {', '.join(names)}")
+        raise ConfigError(f"unknown option {key!r}{suggestion(key)}; `shardwise train --help` lists every option "
+                          f"and its Hugging Face spellings")
     return k
+
+
+def suggestion(key: str) -> str:
+    """`` (did you mean '--lr'?)`` for a misspelled key, among our keys and their aliases (``--learning-rat`` ->
+    ``--learning-rate``), in the spelling the user wrote in: --dashes or --underscores on the command line, plain
+    underscores in TOML; '' when nothing is close."""
+    from shardwise.trainer.hf_args import HF_ONLY_FLAGS
+
+    k = key.lstrip("-").replace("-", "_").lower()
+    candidates = list(_fields()) + list(ALIASES) + list(HF_ONLY_FLAGS)
+    close = difflib.get_close_matches(k, candidates, n=1, cutoff=0.75)
+    if not close:
+        return ""
+    if not key.startswith("--"):
+        return f" (did you mean {close[0]!r}?)"
+    dashes = "_" not in key.lstrip("-")
+    return f" (did you mean {'--' + (close[0].replace('_', '-') if dashes else close[0])!r}?)"
 
 
 def coerce(key: str, value: Any, label: Optional[str] = None) -> Any:
@@ -301,6 +344,8 @@ def validate(cfg: TrainConfig, labels: Optional[dict[str, str]] = None) -> Train
     for key in ("model", "data", "out"):
         if not getattr(cfg, key).strip():
             raise bad(key, "it must not be empty")
+    if cfg.load_in_4bit and not cfg.lora_r:
+        raise bad("load_in_4bit", "a 4-bit base is frozen, so only LoRA adapters can train: give --lora-r too")
     return cfg
 
 
@@ -387,12 +432,49 @@ def parse_overrides(argv: Sequence[str]) -> tuple[Optional[str], dict[str, Any]]
 
 
 def resolve(argv: Sequence[str]) -> TrainConfig:
-    """Defaults <- TOML file <- command-line overrides, validated."""
+    """Defaults (shardwise's or Hugging Face's, see ``TrainConfig.defaults``) <- TOML file <- command-line
+    overrides, validated. ``defaults`` is recorded resolved (shardwise or huggingface) in config.toml."""
     config_path, overrides = parse_overrides(argv)
     values, labels = load_toml(config_path) if config_path else ({}, {})
     values.update(overrides)
     labels.update({k: option_label(k) for k in overrides})
+    if values.get("defaults", "auto") == "auto":
+        values["defaults"] = "huggingface" if hf_spelled(argv) else "shardwise"
+    if values["defaults"] == "huggingface":
+        values = {**HF_DEFAULTS, **values}
+        if "seq_len" not in values:
+            values["seq_len"] = _hf_block_size(values.get("model", TrainConfig.model))
     return validate(TrainConfig(**values), labels)
+
+
+def hf_spelled(argv: Sequence[str]) -> bool:
+    """Does the command line spell any option the Hugging Face way (underscores, or --fsdp / --bf16 / --fp16)?"""
+    from shardwise.trainer.hf_args import HF_ONLY_FLAGS
+
+    names = [a[2:].partition("=")[0] for a in argv if a.startswith("--")]
+    return any("_" in n or n.lower() in HF_ONLY_FLAGS for n in names)
+
+
+def _hf_block_size(model: str) -> int:
+    """run_clm.py's default block size: the model's positions, at most 1024 (128 when the model cannot be read:
+    the launcher's checks then name the problem)."""
+    from shardwise.hf.model_spec import ModelError, resolve_model
+
+    try:
+        positions = resolve_model(model).max_seq_len
+    except (ModelError, OSError, ValueError):
+        return TrainConfig.seq_len
+    return min(HF_MAX_BLOCK_SIZE, positions or HF_MAX_BLOCK_SIZE)
+
+
+def defaults_note(cfg: TrainConfig) -> str:
+    """The banner's statement of the optimisation settings and whose defaults filled them."""
+    whose = ("Hugging Face Trainer's (HF spellings on the command line; --defaults shardwise for shardwise's)"
+             if cfg.defaults == "huggingface" else "shardwise's (--defaults huggingface for the HF Trainer's)")
+    decay = "flat" if cfg.lr_schedule == "constant" else f"{cfg.lr_schedule} decay to {cfg.lr * cfg.min_lr_ratio:g}"
+    return (f"lr {cfg.lr:g}, {cfg.warmup_steps} warm-up steps, {decay} | AdamW betas ({cfg.adam_beta1:g}, "
+            f"{cfg.adam_beta2:g}), weight decay {cfg.weight_decay:g} | batch {cfg.batch_size}, seq-len "
+            f"{cfg.seq_len} | defaults: {whose}")
 
 
 def to_toml(cfg: TrainConfig) -> str:
@@ -419,11 +501,46 @@ def save(cfg: TrainConfig, run_dir: str) -> str:
     return path
 
 
-def help_text() -> str:
+def field_groups() -> dict[str, list[str]]:
+    """The ``# ---- title ----`` sections of TrainConfig's body: title -> its field names, in order."""
+    import re
+
+    groups: dict[str, list[str]] = {}
+    title = "options"
+    for line in inspect.getsource(TrainConfig).splitlines():
+        heading = re.match(r"\s*# -+ (.+?) -+$", line)
+        field_line = re.match(r"\s{4}(\w+): [\w\[\], .]+ = ", line)
+        if heading:
+            title = heading.group(1)
+        elif field_line:
+            groups.setdefault(title, []).append(field_line.group(1))
+    return groups
+
+
+def help_text(width: int = 100) -> str:
+    """``shardwise train --help``: the options by group, each with its aliases, default and what it does."""
+    import textwrap
+
+    from shardwise.trainer.hf_args import HF_HELP
+
     helps = field_help()
     defaults = dataclasses.asdict(TrainConfig())
-    rows = ["usage: shardwise train [--config FILE.toml] [--key value ...]", "",
-            "Keys (dashes on the command line, underscores in TOML; booleans also as --flag / --no-flag):"]
-    for name, text in helps.items():
-        rows.append(f"  --{name.replace('_', '-'):<34} {text} [default: {defaults[name]!r}]")
+    aliases: dict[str, list[str]] = {}
+    for alias, key in ALIASES.items():
+        aliases.setdefault(key, []).append("--" + alias)
+    rows = ["usage: shardwise train [--config FILE.toml] [--option value ...] [--debug]", "",
+            "Options: dashes on the command line, underscores in TOML (later ones win: defaults, then --config,",
+            "then the command line); true/false options also as --flag / --no-flag.", "",
+            "  --config FILE.toml  read options from a TOML file (a run's config.toml reruns it)",
+            "  --debug             show tracebacks, the workers' too, instead of one-line errors",
+            "  -h, --help          this text"]
+    indent = " " * 6
+    for title, names in field_groups().items():
+        rows += ["", f"{title}:"]
+        for name in names:
+            also = f" (also {', '.join(aliases[name])})" if name in aliases else ""
+            rows.append(f"  --{name.replace('_', '-')}{also}  [default: {defaults[name]!r}]")
+            rows += textwrap.wrap(helps.get(name, ""), width, initial_indent=indent, subsequent_indent=indent)
+    rows += ["", "Hugging Face Trainer / run_clm.py flags:"]
+    rows += textwrap.wrap(HF_HELP, width, initial_indent="  ", subsequent_indent="  ")
     return "\n".join(rows)

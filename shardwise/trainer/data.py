@@ -130,7 +130,7 @@ def open_splits(source: str, val_fraction: float) -> tuple[TokenStream, TokenStr
         cut = int(n * (1 - val_fraction))
         return TokenStream([Piece(source, 0, cut)], dtype), TokenStream([Piece(source, cut, n)], dtype)
     raise DataError(f"--data {source}: no such file or directory; valid: 'stdlib', a text file, a directory of "
-                    f"text files, or a .bin file of uint16 token ids")
+                    f"text files, a .bin file of uint16 token ids, or a .jsonl file (or a directory of them)")
 
 
 def rank_bounds(total: int, rank: int, world_size: int) -> tuple[int, int]:

@@ -46,9 +46,15 @@ class Generator:
 def hf_cached_logits(model: nn.Module) -> Callable[[torch.Tensor, Any], tuple[torch.Tensor, Any]]:
     """A Hugging Face causal LM's forward over the ids not yet in ``cache`` (its ``past_key_values``)."""
 
+    import inspect
+
+    # transformers 5.24 renamed past_key_values to cache (the old name warns); older versions know only the old
+    forward = getattr(model, "get_base_model", lambda: model)().forward
+    name = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
     def step(ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-        return out.logits, out.past_key_values
+        out = model(input_ids=ids, use_cache=True, **{name: cache})
+        return out.logits, getattr(out, name)
 
     return step
 
@@ -63,6 +69,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     p.add_argument("--tokenizer", default="", help="a directory holding the tokenizer (default: the model's)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
+    p.add_argument("--base", default="", metavar="DIR",
+                   help="a LoRA adapter export's base model directory (default: its adapter_config.json's "
+                        "base_model_name_or_path)")
     return p
 
 
@@ -128,7 +137,8 @@ def _tokenizer_text(tokenizer_dir: str, chat: bool):
             return tok(text, add_special_tokens=False)["input_ids"]
         return tok(text)["input_ids"]
 
-    return encode, (lambda ids: tok.decode(ids, skip_special_tokens=False)), tok.eos_token_id
+    # a chat reply is shown without the template's markers (end of turn...); plain text shows what was sampled
+    return encode, (lambda ids: tok.decode(ids, skip_special_tokens=chat)), tok.eos_token_id
 
 
 def _text_codec(vocab_size: int, tokenizer_dir: str, chat: bool, where: str):
@@ -174,6 +184,7 @@ def from_run(path: Path, tokenizer: str, chat: bool) -> Generator:
 
     from shardwise.checkpoint import load_checkpoint
     from shardwise.checkpoint.export import resolve_checkpoint
+    from shardwise.checkpoint.verify import read_manifest
     from shardwise.trainer.config import TrainConfig, load_toml
     from shardwise.trainer.jsonl_data import tokenizer_dir
     from shardwise.trainer.loop import build_sharded_model
@@ -192,7 +203,8 @@ def from_run(path: Path, tokenizer: str, chat: bool) -> Generator:
     checkpoint = resolve_checkpoint(path)
     model = build_sharded_model(cfg, spec, torch.device("cpu"))
     # a LoRA run's adapter-only checkpoint goes over the base build_sharded_model read from --model DIR
-    load_checkpoint(checkpoint, model, frozen_base=spec.frozen_base() if cfg.lora_r else None)
+    recorded = read_manifest(checkpoint).get("frozen_base")
+    load_checkpoint(checkpoint, model, frozen_base=spec.frozen_base(recorded) if cfg.lora_r else None)
     model.eval()
     tok_dir = tokenizer or (tokenizer_dir(cfg.model) if spec.kind == "hf" else "")
     encode, decode, eos = _text_codec(spec.vocab_size, tok_dir, chat, str(path))
@@ -200,18 +212,50 @@ def from_run(path: Path, tokenizer: str, chat: bool) -> Generator:
                      cached=hf_cached_logits(model) if spec.kind == "hf" else None)
 
 
-def from_export(path: Path, tokenizer: str, chat: bool) -> Generator:
+def _hf_generator(model: nn.Module, tokenizer_dir: str, chat: bool, where: str) -> Generator:
     from shardwise.hf.config_model import hf_max_positions
 
+    model.eval()
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    encode, decode, eos = _text_codec(vocab, tokenizer_dir, chat, where)
+    return Generator(lambda ids: model(input_ids=ids, use_cache=False).logits, hf_max_positions(model.config),
+                     encode, decode, eos, cached=hf_cached_logits(model))
+
+
+def from_adapter(path: Path, tokenizer: str, chat: bool, base: str) -> Generator:
+    """A LoRA adapter export: ``PeftModel.from_pretrained`` over its base (``--base``, else the directory its
+    ``adapter_config.json`` names), the tokenizer from the export or the base."""
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.hf.lora import ADAPTER_CONFIG
+
+    try:
+        with open(path / ADAPTER_CONFIG) as f:
+            recorded = json.load(f).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ShardwiseError(f"{path / ADAPTER_CONFIG}: cannot be read as a peft adapter config ({e})") from None
+    base_dir = base or recorded
+    if not base_dir or not os.path.isdir(base_dir):
+        said = f"names {recorded!r}, not a directory here" if recorded else "names no base"
+        raise ShardwiseError(f"{path}: a LoRA adapter; its {ADAPTER_CONFIG} {said}: pass --base DIR (the model "
+                             f"directory it was trained over)")
+    from peft import PeftModel
+
+    from shardwise.hf.lora import quiet_peft
+
+    with quiet_peft():
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True),
+                                          str(path))
+    own = any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json"))
+    return _hf_generator(model, tokenizer or (str(path) if own else base_dir), chat, str(path))
+
+
+def from_export(path: Path, tokenizer: str, chat: bool) -> Generator:
     if (path / "config.json").is_file():
         from transformers import AutoModelForCausalLM
 
         model: nn.Module = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
-        model.eval()
-        vocab = int(model.get_output_embeddings().weight.shape[0])
-        encode, decode, eos = _text_codec(vocab, tokenizer or str(path), chat, str(path))
-        return Generator(lambda ids: model(input_ids=ids, use_cache=False).logits, hf_max_positions(model.config),
-                         encode, decode, eos, cached=hf_cached_logits(model))
+        return _hf_generator(model, tokenizer or str(path), chat, str(path))
     from safetensors.torch import load_file
 
     from shardwise.checkpoint.export import INDEX_FILE, SINGLE_FILE
@@ -239,23 +283,35 @@ def from_export(path: Path, tokenizer: str, chat: bool) -> Generator:
 
 
 def generate_text(path: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 50,
-                  seed: int = 0, tokenizer: str = "", chat: bool = False) -> str:
+                  seed: int = 0, tokenizer: str = "", chat: bool = False, base: str = "") -> str:
     """The continuation of ``prompt`` sampled from the model at ``path`` (see the module docstring)."""
+    from shardwise.hf.lora import ADAPTER_CONFIG
+
     p = Path(path)
     if not p.is_dir():
         raise ShardwiseError(f"{path}: no such directory; expected a run directory, a checkpoint or an export")
     is_run = _run_config_dir(p) is not None
-    if not is_run and not ((p / "config.json").is_file() or (p / "shardwise_model.json").is_file()):
-        raise ShardwiseError(f"{path}: neither a run directory (config.toml) nor an export (config.json or "
-                             f"shardwise_model.json)")
+    is_adapter = not is_run and (p / ADAPTER_CONFIG).is_file()
+    if not (is_run or is_adapter) and not ((p / "config.json").is_file() or (p / "shardwise_model.json").is_file()):
+        raise ShardwiseError(f"{path}: neither a run directory (config.toml) nor an export (config.json, "
+                             f"shardwise_model.json, or a LoRA adapter's {ADAPTER_CONFIG})")
+    if base and not is_adapter:
+        raise ShardwiseError(f"--base: {path} is not a LoRA adapter export; --base names an adapter's base model")
     with one_process_group() if is_run else nullcontext():
-        gen = from_run(p, tokenizer, chat) if is_run else from_export(p, tokenizer, chat)
-        return gen.decode(sample(gen, gen.encode(prompt), max_new_tokens, temperature, top_k, seed))
+        if is_run:
+            gen = from_run(p, tokenizer, chat)
+        else:
+            gen = from_adapter(p, tokenizer, chat, base) if is_adapter else from_export(p, tokenizer, chat)
+        new = sample(gen, gen.encode(prompt), max_new_tokens, temperature, top_k, seed)
+        if new and new[-1] == gen.eos_token_id:
+            new = new[:-1]  # the stop token ends the text; it is not part of it
+        return gen.decode(new)
 
 def generate_main(argv: Sequence[str], parser: Optional[argparse.ArgumentParser] = None) -> int:
     args = (parser or make_parser()).parse_args(list(argv))
     check_args(args)
     text = generate_text(args.path, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k, seed=args.seed, tokenizer=args.tokenizer, chat=args.chat)
-    print(args.prompt + text, flush=True)
+                         top_k=args.top_k, seed=args.seed, tokenizer=args.tokenizer, chat=args.chat, base=args.base)
+    # a chat reply is the assistant's turn, not a continuation of the prompt's text
+    print(f"{args.prompt}\n\n{text.strip()}" if args.chat else args.prompt + text, flush=True)
     return 0

@@ -22,12 +22,16 @@ from shardwise.usage import ConfigError
 FSDP_STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard")
 FSDP_WORDS = FSDP_STRATEGIES + ("offload", "auto_wrap")
 MIXED_PRECISION_FLAGS = ("bf16", "fp16")
+HF_ONLY_FLAGS = ("fsdp",) + MIXED_PRECISION_FLAGS  # rewritten here, not aliases of one key
+# HF Trainer flags with no meaning here, and why: refused by name rather than silently ignored.
+NO_MEANING = {
+    "do_train": "shardwise train always trains",
+    "do_eval": "validation runs every --eval-every steps",
+    "report_to": "metrics go to RUN/metrics.jsonl and RUN/metrics.png",
+    "overwrite_output_dir": "a run directory is reused as it is; --resume latest continues it",
+    "logging_dir": "metrics go to the run directory (--out)",
+}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-# HF names accepted, for messages (the aliases live in config.ALIASES).
-ACCEPTED = ("--model_name_or_path", "--model_name", "--train_file", "--dataset", "--fsdp", "--fsdp_sharding_strategy (and Accelerate's fsdp_* keys)", "--per_device_train_batch_size", "--gradient_accumulation_steps",
-            "--gradient_checkpointing", "--bf16", "--fp16", "--learning_rate", "--max_steps", "--output_dir",
-            "--logging_steps", "--save_steps", "--eval_steps", "--warmup_steps", "--weight_decay", "--seed",
-            "--max_grad_norm", "--adam_beta1", "--adam_beta2", "--resume_from_checkpoint")
 
 
 def fsdp_options(words: str, label: str = "--fsdp") -> list[str]:
@@ -53,6 +57,7 @@ def translate(argv: Sequence[str]) -> list[str]:
     """Rewrite the HF options that are not plain aliases (``--fsdp``, ``--bf16``, ``--fp16``) in ``argv``."""
     argv = list(argv)
     out: list[str] = []
+    precisions: list[str] = []
     i = 0
     while i < len(argv):
         name, eq, inline = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
@@ -73,11 +78,19 @@ def translate(argv: Sequence[str]) -> list[str]:
                 raise ConfigError(f"--{name}={value!r} is not valid; expected true or false (or the bare flag)")
             if value is None or value.lower() in _TRUE:
                 out += ["--mixed-precision", key]
+                precisions.append(key)
         else:
             out.append(argv[i])
         i += 1
+    if len(set(precisions)) > 1:  # the last one would win silently; HF's Trainer refuses the pair too
+        raise ConfigError("--bf16 and --fp16: both given; choose one (--mixed-precision bf16 or fp16)")
     return out
 
 
-def accepted_text() -> str:
-    return "Hugging Face Trainer flags accepted: " + ", ".join(ACCEPTED)
+HF_HELP = ("--fsdp 'WORDS': space-separated, as TrainingArguments takes them: a strategy (full_shard, "
+           "shard_grad_op, hybrid_shard, hybrid_shard_zero2, no_shard), offload (--cpu-offload) and auto_wrap (one "
+           "unit per transformer block; without it the whole model is one unit, as in HF). --bf16 / --fp16: "
+           "--mixed-precision bf16 / fp16 (not both). The other HF spellings are the aliases listed above. A command "
+           "line that uses any of them takes HF's defaults (see --defaults). Refused, with the reason: "
+           + ", ".join("--" + k for k in NO_MEANING) + ".")
+

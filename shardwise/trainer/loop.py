@@ -45,7 +45,7 @@ from shardwise.trainer import (
     state,
 )
 from shardwise.trainer.config import TrainConfig
-from shardwise.trainer.lora_model import wrap_lora
+from shardwise.trainer.lora_model import quant_settings, wrap_lora
 from shardwise.trainer.loss import global_loss_targets, loss_targets, micro_batch_loss
 from shardwise.trainer.sources import Sampler, open_training_data
 
@@ -79,12 +79,7 @@ def build_sharded_model(cfg: TrainConfig, spec: ModelSpec, device: torch.device)
         activation_checkpointing=cfg.activation_checkpointing,
     )
     # --model DIR with weights: each rank reads its own shards (the base's, under LoRA: adapters keep peft's init)
-    if cfg.lora_r:
-        from shardwise.hf.lora import pretrained_name
-
-        spec.load_weights(model, rename=pretrained_name)
-    else:
-        spec.load_weights(model)
+    spec.load_weights(model, quantization=quant_settings(cfg))
     return model
 
 
@@ -113,6 +108,20 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         return shardwise.offload_optimizer(model, torch.optim.AdamW, groups, max_grad_norm=clip_limit(cfg),
                                            lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused or None)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
+
+
+def sharding_notes(cfg: TrainConfig, model: nn.Module, device: torch.device) -> list[str]:
+    """Settings that are valid but likely not what was meant: said once, in the banner."""
+    notes = []
+    units = len(runtime_of(model).units)
+    if cfg.auto_wrap == "no_wrap" and units == 1:
+        notes.append("the whole model is one unit (--auto-wrap no_wrap, or --fsdp without auto_wrap, as in Hugging "
+                     "Face): every rank gathers all of it at once; add auto_wrap (--fsdp 'full_shard auto_wrap') "
+                     "for one unit per transformer block")
+    if cfg.cpu_offload and device.type == "cpu":
+        notes.append("--cpu-offload on a CPU-only run: the shards live in CPU memory either way; it only "
+                     "matters with GPUs")
+    return notes
 
 
 def clip_limit(cfg: TrainConfig) -> float:
@@ -159,7 +168,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     optimizer = build_optimizer(model, cfg)
     # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
     scaler = shardwise.ShardedGradScaler() if cfg.mixed_precision == "fp16" else None
-    frozen_base = spec.frozen_base() if cfg.lora_r else None  # LoRA over DIR's weights: adapter-only checkpoints
+    # LoRA over DIR's weights: adapter-only checkpoints, which record the base's identity
+    frozen_base = spec.frozen_base(state.recorded_base(cfg.out, cfg.resume)) if cfg.lora_r else None
     start_step, note = state.restore_training_state(cfg.out, cfg.resume, model, optimizer, seed=cfg.seed,
                                                     train_tokens=data.train_tokens, grad_scaler=scaler,
                                                     frozen_base=frozen_base)
@@ -173,6 +183,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     log.write(f"shardwise train | model {spec.name} ({num_params / 1e6:.2f}M params) | {world} rank(s), "
               f"{dist.get_backend()}, {cfg.sharding_strategy} | data {cfg.data}: {data.train_tokens:,} train / "
               f"{data.val_tokens:,} val tokens | {tokens_per_step:,} tokens/step | run dir {cfg.out}")
+    log.write(config_mod.defaults_note(cfg))
+    for line in sharding_notes(cfg, model, device):
+        log.write(f"note: {line}")
     if note:
         log.write(f"resume: {note}")
     if start_step == 0 and rank == 0 and any(n.startswith("step-") for n in os.listdir(cfg.out)):
@@ -240,7 +253,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 if cfg.lora_r:  # the adapters as peft saves them: PeftModel.from_pretrained(base, run/adapter)
                     from shardwise.hf.lora import save_adapter
 
-                    save_adapter(model, os.path.join(cfg.out, "adapter"))
+                    save_adapter(model, os.path.join(cfg.out, "adapter"),
+                                 base=os.path.abspath(spec.weights_dir) if spec.weights_dir else None)
                     summary["adapter"] = os.path.join(cfg.out, "adapter")
     log.close()
     summary["train_seconds"] = time.perf_counter() - t_start
@@ -250,10 +264,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         png = os.path.join(cfg.out, "metrics.png")
         plot.plot_metrics(log.path, png, title=f"{spec.name} | {world} ranks | {cfg.sharding_strategy}")
         summary["metrics_png"] = png
-        vals = summary["val_losses"]
+        # the whole run's curve (metrics.jsonl spans resumes), not only this process's part of it
+        vals = [(r["step"], r["val_loss"]) for r in plot.read_metrics(log.path) if r.get("val_loss") is not None]
         if vals:
-            print(f"validation loss {vals[0][1]:.4f} (step {vals[0][0]}) -> {vals[-1][1]:.4f} (step {vals[-1][0]}) | "
-                  f"checkpoint {summary.get('checkpoint')} | {png}", flush=True)
+            resumed = f" (resumed at step {start_step})" if start_step else ""
+            print(f"validation loss {vals[0][1]:.4f} (step {vals[0][0]}) -> {vals[-1][1]:.4f} (step {vals[-1][0]})"
+                  f"{resumed} | checkpoint {summary.get('checkpoint')} | {png}", flush=True)
     return summary
 
 
@@ -265,6 +281,11 @@ def train_worker(cfg_values: dict[str, Any]) -> dict[str, Any]:
     try:
         launch.init_worker(cfg.backend, cfg.timeout_s, cfg.threads_per_rank)
         return train(cfg)
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group: the launcher says it once
+        if failures.debug_enabled():
+            raise
+        sys.stdout.flush()
+        os._exit(128 + 2)
     except Exception as e:
         if failures.debug_enabled():
             raise

@@ -20,8 +20,24 @@ def wrap_lora(cfg: TrainConfig, spec: ModelSpec, model: nn.Module, init_fn: Call
     if spec.kind != "hf":
         raise ConfigError(f"--lora-r {cfg.lora_r}: LoRA needs a Hugging Face model (--model DIR or "
                           f"PATH/config.json); {spec.name} is a shardwise GPT preset")
+    if cfg.load_in_4bit:  # QLoRA: the Linears become 4-bit before peft wraps them
+        from shardwise.hf.quantization import quantize_model
+
+        if spec.weights_dir is None:
+            raise ConfigError(f"--load-in-4bit: {spec.name} has no weights to quantise (a config.json only); give "
+                              f"--model DIR with the pretrained weights")
+        quantize_model(model, quant_settings(cfg))
     settings = LoraSettings(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                             target_modules=tuple(cfg.lora_target_modules),
                             base_dtype=torch.bfloat16 if cfg.lora_base_dtype == "bf16" else None)
     model = apply_lora(model, settings)
     return model, (lora_param_init_fn(model, init_fn) if on_meta else None)
+
+
+def quant_settings(cfg: TrainConfig):
+    """The 4-bit settings of a ``--load-in-4bit`` run (None without it)."""
+    if not cfg.load_in_4bit:
+        return None
+    from shardwise.hf.quantization import QuantSettings
+
+    return QuantSettings(cfg.bnb_4bit_quant_type, cfg.bnb_4bit_use_double_quant)

@@ -22,11 +22,9 @@ def plot_metrics(metrics_path: str, out_path: str, title: str = "") -> str:
     val = [r for r in recs if r.get("val_loss") is not None]
     fig, (ax_loss, ax_mem) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=(2, 1))
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", color="tab:blue")
-    if val:
+    if val:  # (no reference line: a fine-tuning curve moves a few percent, and a fixed line would squash it)
         ax_loss.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss",
                      color="tab:orange")
-        start = val[0]["val_loss"]
-        ax_loss.axhline(start / 2, color="gray", linestyle="--", linewidth=1, label="half the starting validation loss")
     ax_loss.set_ylabel("loss (nats/token)")
     ax_loss.grid(alpha=0.3)
     ax_loss.legend()
@@ -34,7 +32,9 @@ def plot_metrics(metrics_path: str, out_path: str, title: str = "") -> str:
         ax_loss.set_title(title)
     mem = [r for r in recs if "mem_gib" in r]
     ax_mem.plot([r["step"] for r in mem], [r["mem_gib"] for r in mem], color="tab:green")
-    ax_mem.set_ylim(bottom=0)  # absolute scale: a few MB of drift should look like a few MB
+    # absolute scale from 0 (a few MB of drift should look like a few MB), with headroom so that a flat line
+    # does not sit on the frame
+    ax_mem.set_ylim(0, max((r["mem_gib"] for r in mem), default=1.0) * 1.2 or 1.0)
     ax_mem.set_ylabel("peak memory (GiB,\nmax over ranks)")
     ax_mem.set_xlabel("step")
     ax_mem.grid(alpha=0.3)

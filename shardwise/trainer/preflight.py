@@ -48,7 +48,7 @@ def check_before_launch(cfg: TrainConfig, world_size: int, local_ranks: int, lau
     check_weights(cfg, spec, model)
     check_out(cfg)  # before the data: .jsonl data is tokenised into the run directory
     check_data(cfg, spec, world_size, build_cache=launching)
-    check_resume(cfg, model)
+    check_resume(cfg, spec, model)
     return spec
 
 
@@ -155,9 +155,10 @@ def check_out(cfg: TrainConfig) -> None:
         raise ConfigError(f"--out {cfg.out}: {problem}; the run directory must be a directory shardwise can write")
 
 
-def check_resume(cfg: TrainConfig, model: nn.Module) -> Optional[Path]:
+def check_resume(cfg: TrainConfig, spec: ModelSpec, model: nn.Module) -> Optional[Path]:
     """The checkpoint a resume would load, verified (commit record, schema, files' sizes) and compared
-    with the model (names, ties, shapes); None when the run starts fresh."""
+    with the model (names, ties, shapes) and, for an adapter-only LoRA checkpoint, with --model DIR's
+    weights; None when the run starts fresh."""
     from shardwise.checkpoint.manager import find_latest
     from shardwise.checkpoint.model_description import compare_with_model
     from shardwise.checkpoint.verify import listed_files_problem, read_manifest
@@ -186,4 +187,9 @@ def check_resume(cfg: TrainConfig, model: nn.Module) -> Optional[Path]:
     problem = compare_with_model(model, manifest)
     if problem:
         raise ShardwiseError(f"--resume {path}: checkpoint of a different model than --model {cfg.model}: {problem}")
+    saved_base = manifest.get("frozen_base")
+    if saved_base is not None:
+        from shardwise.trainer.state import check_frozen_base
+
+        check_frozen_base(path, spec.frozen_base(saved_base) if cfg.lora_r else None)
     return path

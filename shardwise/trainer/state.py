@@ -84,18 +84,12 @@ def restore_training_state(run_dir: str, resume: str, model: nn.Module, optimize
     return (step to continue after, a note for the user or None). ``resume=''`` or 'latest' with no
     checkpoint yet returns (0, note). Collective; raises ShardwiseError on every rank for a checkpoint that
     is damaged or does not fit."""
-    from shardwise.engine import agree
     from shardwise.checkpoint import checkpoint_info, load_checkpoint
-    if not resume:
-        return 0, None
-    if resume in ("latest", "auto", "true"):
-        path = _manager(run_dir).choose_latest()
-        if path is None:
-            return 0, f"resume={resume}: no checkpoint in {run_dir} yet, starting fresh"
-    else:
-        path = Path(resume)
-        if not (path / "commit.json").exists() and not (path / "manifest.json").exists() and path.is_dir():
-            path = _manager(resume).choose_latest() or path  # a run directory: its newest checkpoint
+    from shardwise.engine import agree
+
+    path = resume_path(run_dir, resume)
+    if path is None:
+        return 0, f"resume={resume}: no checkpoint in {run_dir} yet, starting fresh" if resume else None
     agree.agreed(lambda: check_frozen_base(path, frozen_base), f"checking {path}")
     extra = load_checkpoint(path, model, optimizer, frozen_base=frozen_base)
     step = agree.agreed(lambda: check_extra(extra, path, checkpoint_info(path).step, grad_scaler is not None),
@@ -117,6 +111,27 @@ def restore_training_state(run_dir: str, resume: str, model: nn.Module, optimize
     if extra["data"]["train_tokens"] != train_tokens:
         notes.append("the training data differs from the checkpoint's (token count changed)")
     return step, ("; ".join(notes) or None)
+
+
+def resume_path(run_dir: str, resume: str) -> Optional[Path]:
+    """The checkpoint ``resume`` names ('latest'/'auto': the newest in ``run_dir``; a run directory: its
+    newest; else the path itself); None to start fresh."""
+    if not resume:
+        return None
+    if resume in ("latest", "auto", "true"):
+        return _manager(run_dir).choose_latest()
+    path = Path(resume)
+    if not (path / "commit.json").exists() and not (path / "manifest.json").exists() and path.is_dir():
+        path = _manager(resume).choose_latest() or path  # a run directory: its newest checkpoint
+    return path
+
+
+def recorded_base(run_dir: str, resume: str) -> Optional[dict]:
+    """The ``frozen_base`` record of the checkpoint a resume would load (None: none, or it stores its base)."""
+    from shardwise.checkpoint.verify import read_manifest
+
+    path = resume_path(run_dir, resume)
+    return None if path is None else read_manifest(path).get("frozen_base")
 
 
 def check_frozen_base(path: Path, frozen_base: Optional[dict]) -> None:

@@ -41,7 +41,7 @@ def test_export_cli_single_file(run_dir, tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["model.safetensors", "shardwise_model.json"]
     got = load_file(tmp_path / "o" / "model.safetensors")
     assert got["wte.weight"].dtype == torch.bfloat16
-    assert export_main([str(tmp_path), str(tmp_path / "o2")]) == 1
+    assert export_main([str(tmp_path), str(tmp_path / "o2")]) == 2
     assert "neither a shardwise checkpoint" in capsys.readouterr().err
 
 

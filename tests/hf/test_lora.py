@@ -199,3 +199,43 @@ def test_lora_model_loads_the_pretrained_base_and_starts_as_it(tmp_path):
     directory = make_model_dir(str(tmp_path / "llama"), "llama")
     errs = run_distributed(_lora_on_pretrained, 2, directory)
     assert max(errs) == 0.0, errs
+
+
+def test_target_modules_that_name_no_module_list_the_names_there_are():
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.errors import ShardwiseError
+    from shardwise.hf.lora import LoraSettings, apply_lora
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("llama", 64))
+    with pytest.raises(ShardwiseError) as e:
+        apply_lora(model, LoraSettings(r=2, target_modules=("qproj",)))
+    assert "lora target_modules qproj:" in str(e.value)
+    assert "module names in LlamaForCausalLM: down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, q_proj, " \
+           "up_proj, v_proj" in str(e.value)
+
+
+def test_pretrained_files_accept_a_peft_wrapped_model_as_the_launcher_checks_it(tmp_path):
+    """The launcher checks --model DIR's files against the meta-built peft model before any worker starts: the
+    Hugging Face model inside peft's wrapper is found and its base read under the base's names (both layouts)."""
+    from hf_dirs import make_model_dir
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardwise.hf.lora import LoraSettings, apply_lora
+    from shardwise.hf.pretrained import check_loadable
+    from shardwise.hf.weight_files import file_layout_identity, identity_for, weights_identity
+
+    single = make_model_dir(str(tmp_path / "one"), "llama", tokenizer=False)
+    sharded = make_model_dir(str(tmp_path / "many"), "llama", tokenizer=False, shards=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(single))
+    model = apply_lora(model, LoraSettings(r=2, target_modules=("q_proj", "v_proj")))
+    for directory in (single, sharded):
+        check_loadable(model, directory)
+    assert weights_identity(single) == weights_identity(sharded)  # the same tensors, another file layout
+    other = make_model_dir(str(tmp_path / "other"), "llama", tokenizer=False, seed=1)
+    assert weights_identity(other) != weights_identity(single)
+    # checkpoints written before the identity left the file layout still recognise their base (and only it)
+    legacy = file_layout_identity(single)
+    assert identity_for(single, legacy) == legacy and identity_for(other, legacy) == weights_identity(other)

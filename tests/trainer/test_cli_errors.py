@@ -201,7 +201,7 @@ def test_bad_invocation_is_one_line_naming_the_culprit(files, no_workers, capsys
     code = main([command] + argv)
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
-    assert code != 0
+    assert code == 2  # refused before any work, for something given: one rule for every command
     assert len(lines) == 1, err
     assert lines[0].startswith(f"shardwise{'' if command == 'frobnicate' else ' ' + command}: error: "), err
     assert "Traceback" not in err and "internal error" not in err, err
@@ -219,6 +219,39 @@ def test_the_table_passes_a_valid_command_line_to_the_launcher(files, no_workers
     err = capsys.readouterr().err
     assert code == 1 and "internal error: AssertionError: a worker was started" in err
     shutil.rmtree(t / "ok-run", ignore_errors=True)
+
+
+@pytest.mark.parametrize("signum", [2, 15])
+def test_an_interrupted_run_says_so_and_how_to_resume(files, no_workers, capsys, monkeypatch, signum):
+    """Ctrl-C reaches the launcher as KeyboardInterrupt, SIGTERM as torch's SignalException: both are an
+    interruption, not an internal error, with the way to continue and 128 + the signal as exit status."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from shardwise.cli import main
+    from shardwise.trainer import launch
+
+    def interrupted(*args, **kwargs):
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SignalException("terminated", signal.Signals(signum))
+
+    monkeypatch.setattr(launch, "launch", interrupted)
+    t, _ = files
+    code = main(["train", "--model", "gpt-tiny", "--data", str(t / "text.txt"), "--out", str(t / "stopped")])
+    err = capsys.readouterr().err
+    assert code == 128 + signum
+    assert err.strip() == (f"shardwise train: interrupted ({signal.Signals(signum).name}) before its first "
+                           f"checkpoint in {t / 'stopped'}: the same command starts it again (--save-every N saves "
+                           f"along the way)")
+    shutil.rmtree(t / "stopped", ignore_errors=True)
+
+
+def test_version(capsys):
+    from shardwise.cli import main
+
+    assert main(["--version"]) == 0 and capsys.readouterr().out.startswith("shardwise ")
 
 
 def test_debug_shows_the_traceback(files, no_workers, monkeypatch):

@@ -32,12 +32,42 @@ def test_resolved_config_round_trips(tmp_path):
     assert C.resolve(["--config", saved]) == cfg
 
 
-def test_unknown_key_lists_valid_keys():
+@pytest.mark.parametrize("typo, meant", [("--save-evry", "--save-every"), ("--learning-rat", "--learning-rate"),
+                                         ("--learning_rat", "--learning_rate"), ("--per_device_batch_size",
+                                                                                 "--per_device_train_batch_size")])
+def test_a_misspelled_option_gets_the_closest_spelling_and_aliases_count(typo, meant):
+    """The suggestion is among our options and their Hugging Face aliases, in the user's own style (dashes or
+    underscores), in one short line pointing at --help rather than listing every option."""
     with pytest.raises(C.ConfigError) as e:
-        C.resolve(["--save-evry", "3"])
+        C.resolve([typo, "3"])
     msg = str(e.value)
-    assert "--save-evry" in msg and "did you mean '--save-every'" in msg
-    assert "valid keys:" in msg and "--sharding-strategy" in msg and "--gradient-accumulation-steps" in msg
+    assert f"unknown option {typo!r} (did you mean {meant!r}?)" in msg and "--help" in msg and len(msg) < 200
+
+
+def test_hf_flags_with_no_meaning_say_why_and_bf16_with_fp16_is_refused():
+    with pytest.raises(C.ConfigError, match="--do_train: a Hugging Face Trainer flag with no meaning here"):
+        C.resolve(["--do_train"])
+    with pytest.raises(C.ConfigError, match="--bf16 and --fp16: both given"):
+        C.resolve(["--bf16", "--fp16"])
+
+
+def test_hf_spelled_command_lines_take_hf_defaults_and_say_so():
+    """A run_clm.py-style command line gets HF Trainer's defaults for what it does not set; dashes keep
+    shardwise's; --defaults chooses explicitly; given options always win."""
+    hf = C.resolve(["--learning_rate", "2e-5", "--model", "gpt-tiny"])
+    assert (hf.defaults, hf.lr, hf.lr_schedule, hf.warmup_steps, hf.weight_decay, hf.adam_beta2, hf.min_lr_ratio) \
+        == ("huggingface", 2e-5, "linear", 0, 0.0, 0.999, 0.0)
+    assert hf.seq_len == 128  # run_clm's block size: the model's positions (gpt-tiny: 128), at most 1024
+    ours = C.resolve(["--lr", "2e-5"])
+    assert (ours.defaults, ours.lr_schedule, ours.warmup_steps, ours.weight_decay) == ("shardwise", "cosine", 10, 0.1)
+    assert C.resolve(["--bf16", "--defaults", "shardwise"]).weight_decay == 0.1
+    assert C.resolve(["--defaults", "huggingface", "--weight-decay", "0.05"]).weight_decay == 0.05
+    assert "defaults: Hugging Face Trainer's" in C.defaults_note(hf)
+
+
+def test_config_toml_records_the_defaults_used(tmp_path):
+    hf = C.resolve(["--learning_rate", "2e-5", "--model", "gpt-tiny"])
+    assert C.resolve(["--config", C.save(hf, str(tmp_path))]) == hf
 
 
 def test_unknown_key_in_toml_rejected(tmp_path):

@@ -251,7 +251,7 @@ def test_export_misuse_is_one_line(runs, tmp_path, capsys):
     cases = {("--merge", "--base", str(moved)): "are not the base",
              ("--base", str(moved)): "--base: the base directory is read by --merge only"}
     for args, message in cases.items():
-        assert export_main([str(run), str(tmp_path / "out"), *args]) == 1
+        assert export_main([str(run), str(tmp_path / "out"), *args]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()

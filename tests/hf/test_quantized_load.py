@@ -1,0 +1,178 @@
+"""load_pretrained into a 4-bit base: a checkpoint that transformers + bitsandbytes saved in 4 bits loads at
+world sizes 1-3 to exactly its bytes (each rank copying only its byte ranges); a fp32 directory quantised on
+load gives those same bytes; and a pre-quantised checkpoint whose quant_state disagrees with its tensors or
+with the model (shape, nf4/fp4, absmax length) is refused in one line naming the file and tensor."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from harness import run_distributed
+from hf_dirs import make_model_dir, tiny_config
+from parity_utils import run_scenarios, scenario, spawn_once
+
+STORED = ("weight", "absmax", "nested_absmax", "offset")
+
+
+def save_4bit(src: str, dst: str, quant_type: str = "nf4", double_quant: bool = True) -> str:
+    """What a user downloads as a "bnb-4bit" model: transformers' own 4-bit save of ``src`` (on CPU)."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
+                                bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config, device_map="cpu",
+                                                 dtype=torch.float32)
+    model.save_pretrained(dst)
+    return dst
+
+
+def expected_bytes(directory: str) -> dict[str, torch.Tensor]:
+    """HF name of each 4-bit module (``model.layers.0.mlp.down_proj``) + stored name -> its bytes."""
+    from safetensors.torch import load_file
+
+    sd = load_file(os.path.join(directory, "model.safetensors"))
+    out = {}
+    for key, t in sd.items():
+        if key.endswith(".weight.absmax"):
+            base = key[: -len(".weight.absmax")]
+            state = json.loads(bytes(sd[f"{base}.weight.quant_state.bitsandbytes__nf4"].tolist()))
+            out[f"{base}.weight"] = sd[f"{base}.weight"].view(torch.uint8).reshape(-1)
+            out[f"{base}.absmax"] = t.reshape(-1).view(torch.uint8)
+            out[f"{base}.nested_absmax"] = sd[f"{base}.weight.nested_absmax"].view(torch.uint8)
+            out[f"{base}.offset"] = torch.tensor([state["nested_offset"]], dtype=torch.float32).view(torch.uint8)
+        elif not any(s in key for s in (".absmax", ".quant_map", ".nested_", ".quant_state")) and t.is_floating_point():
+            out[key] = t
+    return out
+
+
+def _load(directory: str, quant_type: str = "nf4", double_quant: bool = True) -> dict[str, torch.Tensor]:
+    """Meta-build the tiny Llama, quantise, add LoRA, shard, load ``directory``; the full state dict (rank 0)
+    under HF names (``.base_layer`` dropped, adapters left out)."""
+    import shardwise
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.hf.lora import LoraSettings, apply_lora, lora_param_init_fn, pretrained_name
+
+    settings = shardwise.QuantSettings(quant_type, double_quant)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("llama", 320, bos_token_id=0, eos_token_id=0,
+                                                             pad_token_id=1))
+    shardwise.quantize_model(model, settings)
+    model = apply_lora(model, LoraSettings(r=4, target_modules=("q_proj", "v_proj")))
+    shardwise.shard(model, param_init_fn=lora_param_init_fn(model, shardwise.skip_weight_init(model)))
+    shardwise.load_pretrained(model, directory, rename=pretrained_name, quantization=settings)
+    sd = shardwise.full_state_dict(model)
+    return {pretrained_name(k): v for k, v in sd.items() if pretrained_name(k) is not None}
+
+
+def _errors(directory: str) -> dict[str, str]:
+    out = {}
+    for name, path in sorted(_broken_dirs(directory).items()):
+        try:
+            _load(path, "fp4" if name == "fp4_model" else "nf4")
+            out[name] = "loaded"
+        except Exception as e:  # noqa: BLE001 - the message is what the test reads
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _broken_dirs(directory: str) -> dict[str, str]:
+    root = os.path.join(directory, "broken")
+    return {n: os.path.join(root, n) for n in ("state_shape", "absmax_length", "fp4_model")}
+
+
+def make_broken_dirs(prequantised: str, root: str) -> None:
+    """Copies of the pre-quantised checkpoint, each damaged one way (fp4_model: intact, the model is fp4)."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(os.path.join(prequantised, "model.safetensors"))
+    key = "model.layers.1.mlp.up_proj.weight"
+    cases = {}
+    state = json.loads(bytes(sd[f"{key}.quant_state.bitsandbytes__nf4"].tolist()))
+    state["shape"] = [44, 96]  # the same element count, another shape
+    cases["state_shape"] = {f"{key}.quant_state.bitsandbytes__nf4": torch.tensor(list(json.dumps(state).encode()),
+                                                                                 dtype=torch.uint8)}
+    cases["absmax_length"] = {f"{key}.absmax": sd[f"{key}.absmax"][:-1].clone()}
+    cases["fp4_model"] = {}
+    for name, edits in cases.items():
+        d = _broken_dirs(root)[name]
+        os.makedirs(d)
+        shutil.copy(os.path.join(prequantised, "config.json"), d)
+        save_file({**sd, **edits}, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _worker(rank, ws, root):
+    scenarios = {"prequantised": lambda r, w: _load(os.path.join(root, "q4")),
+                 "quantise_on_load": lambda r, w: _load(os.path.join(root, "fp32"))}
+    if ws == 3:
+        scenarios["errors"] = lambda r, w: _errors(root)
+    return run_scenarios(scenarios, rank, ws)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("q4load"))
+    make_model_dir(os.path.join(root, "fp32"), "llama", tokenizer=False)
+    save_4bit(os.path.join(root, "fp32"), os.path.join(root, "q4"))
+    make_broken_dirs(os.path.join(root, "q4"), root)
+    return root
+
+
+@spawn_once
+def _report(ws: int, root: str) -> dict:
+    return run_distributed(_worker, ws, root, timeout_s=240)[0]
+
+
+WORLD_SIZES = [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3]
+
+
+def _assert_bytes_equal(loaded: dict, expected: dict, label: str) -> None:
+    quant = [k for k in expected if k.endswith(STORED[1:]) or k + ".absmax" in expected]
+    assert quant, "the checkpoint holds no 4-bit weights"
+    for key, want in expected.items():
+        got = loaded[key]
+        assert got.dtype == want.dtype and torch.equal(got.reshape(-1), want.reshape(-1)), f"{label}: {key} differs"
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_a_transformers_4bit_checkpoint_loads_to_exactly_its_bytes(ws, dirs):
+    expected = expected_bytes(os.path.join(dirs, "q4"))
+    _assert_bytes_equal(scenario(_report(ws, dirs), "prequantised"), expected, f"ws {ws} pre-quantised")
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_quantise_on_load_gives_the_pre_quantised_bytes(ws, dirs):
+    expected = expected_bytes(os.path.join(dirs, "q4"))
+    loaded = scenario(_report(ws, dirs), "quantise_on_load")
+    _assert_bytes_equal(loaded, expected, f"ws {ws} quantised on load")
+
+
+def test_bad_pre_quantised_checkpoints_are_refused_in_one_line(dirs):
+    errors = scenario(_report(3, dirs), "errors")
+    key = "'model.layers.1.mlp.up_proj.weight'"
+    assert f"{key}: quant_state shape=[44, 96], the model's 4-bit module needs [88, 48]" in errors["state_shape"]
+    assert "'model.layers.1.mlp.up_proj.weight.absmax' is torch.uint8 [65], but the quant_state's shape [88, 48] " \
+           "needs 66 torch.uint8" in errors["absmax_length"]
+    assert "quant_type='nf4', the model's 4-bit module needs 'fp4'" in errors["fp4_model"]
+    for name, text in errors.items():
+        assert text.startswith("ShardwiseError") and "\n" not in text.strip(), (name, text)
+        assert "model.safetensors" in text, (name, text)
+
+
+def test_merge_refuses_a_base_directory_holding_only_4bit_weights(dirs, tmp_path):
+    from shardwise.errors import ShardwiseError
+    from shardwise.hf.export_lora import _checked_base_dir
+
+    record = {"source": os.path.join(dirs, "q4"), "weights_sha256": "0" * 64, "dtype": "float32"}
+    with pytest.raises(ShardwiseError, match=r"q4 holds only 4-bit \(bitsandbytes\) weights; --merge adds the adapters "
+                                             r"to the high-precision weights: pass --base DIR"):
+        _checked_base_dir(tmp_path / "ckpt", record, None)
