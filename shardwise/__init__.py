@@ -8,6 +8,7 @@ from shardwise.engine.full_params import register_forward_method, summon_full_pa
 from shardwise.engine.grad_scaler import ShardedGradScaler
 from shardwise.engine.mixed_precision import MixedPrecision
 from shardwise.engine.cpu_offload import CPUOffload
+from shardwise.engine.optimizer_guard import allow_optimizer
 from shardwise.optim.offload_optimizer import OffloadOptimizer, offload_optimizer
 from shardwise.engine.logical_shapes import ParamInfo, named_param_infos, num_parameters, param_info
 from shardwise.hf.export import export_checkpoint
@@ -38,6 +39,7 @@ __all__ = [
     "ShardedGradScaler",
     "CPUOffload",
     "offload_optimizer",
+    "allow_optimizer",
     "OffloadOptimizer",
     "Strategy",
     "ShardwiseError",

@@ -46,6 +46,7 @@ from shardwise.checkpoint.model_index import (frozen_dtype, optimizer_class_name
                                               persistent_buffers, trains, unique_params)
 from shardwise.checkpoint.values import encode, encode_scalar_tensor
 from shardwise.errors import ShardwiseError
+from shardwise.engine.optimizer_guard import STAMP_KEY
 
 PathLike = Union[str, os.PathLike]
 
@@ -189,6 +190,8 @@ def _optimizer_pieces(fqn: str, shard_param: torch.Tensor, state: dict, tensors:
     keys: dict[str, str] = {}
     info: dict[str, Any] = {"tensors": {}, "scalars": {}}
     for name, value in state.items():
+        if name == STAMP_KEY:
+            continue  # which rank's piece the state belongs to: a checkpoint reshards, so it does not apply
         if isinstance(value, torch.Tensor):
             if value.dim() == 0:
                 info["scalars"][name] = encode_scalar_tensor(value)

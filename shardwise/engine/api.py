@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.engine import device as devices, logical_shapes, materialize
+from shardwise.engine import device as devices, logical_shapes, materialize, optimizer_guard
 from shardwise.engine.buffer_broadcast import BufferBroadcast
 from shardwise.engine.activation_checkpoint import checkpoint_unit
 from shardwise.engine.fingerprint import CollectiveChecker, check_same_plan, checks_enabled
@@ -18,6 +18,7 @@ from shardwise.engine.flat_group import FlatGroup
 from shardwise.engine.mixed_precision import MixedPrecision
 from shardwise.engine.cpu_offload import CPUOffload
 from shardwise.engine.offload_transfers import OffloadTransfers
+from shardwise.engine.param_hooks import adopt_tensor_hooks
 from shardwise.engine.plan import UnitsSpec, build_plan, entry_modules
 from shardwise.engine.runtime import STATE_ATTR, ModelRuntime, Unit, runtime_of
 from shardwise.engine.strategy import Strategy, resolve_groups
@@ -127,11 +128,13 @@ def _fill(model: nn.Module, plan, groups: list[FlatGroup], device: torch.device,
             for n, b in list(mod._buffers.items()):
                 if b is not None and b.device != device and not b.is_meta:
                     mod._buffers[n] = b.to(device)
-    for spec in plan.params():
-        old = spec.refs[0].module._parameters[spec.refs[0].name]
-        old.data = torch.empty(0, dtype=old.dtype, device=old.device)
-        old._shardwise_retired = spec.fqn
-    _install_optimizer_check()
+    for g in groups:
+        for spec, shard_param in zip(g.plan.params, g.shard_params):
+            old = spec.refs[0].module._parameters[spec.refs[0].name]
+            adopt_tensor_hooks(old, shard_param)  # p.register_hook before shard() keeps working
+            old.data = torch.empty(0, dtype=old.dtype, device=old.device)
+            old._shardwise_retired = spec.fqn
+    optimizer_guard.install()  # retired parameters, optimizer classes, whose state (optimizer_guard.py)
 
 
 def _install_hooks(model: nn.Module, runtime: ModelRuntime, activation_checkpointing: bool) -> None:
@@ -187,34 +190,6 @@ def _resolve_device(model: nn.Module, device, pgs) -> torch.device:
             f"model on the meta device (shard() then materialises it) or none of it"
         )
     return devices.compute_device(real, pgs.shard or pgs.replicate, explicit=device)
-
-
-_optimizer_check_installed = False
-
-
-def _install_optimizer_check() -> None:
-    global _optimizer_check_installed
-    if _optimizer_check_installed:
-        return
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    def check(optimizer, args, kwargs):
-        # Checked once per optimizer (and again if its parameter count changes): cheap on the hot path.
-        n = sum(len(g["params"]) for g in optimizer.param_groups)
-        if optimizer.__dict__.get("_shardwise_checked") == n:
-            return
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                fqn = getattr(p, "_shardwise_retired", None)
-                if fqn is not None:
-                    raise ShardwiseError(
-                        f"{type(optimizer).__name__} holds parameter {fqn!r} from before shardwise.shard(); "
-                        f"build the optimizer after shard() from model.parameters()"
-                    )
-        optimizer.__dict__["_shardwise_checked"] = n
-
-    register_optimizer_step_pre_hook(check)
-    _optimizer_check_installed = True
 
 
 @contextlib.contextmanager

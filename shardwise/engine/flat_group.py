@@ -37,7 +37,9 @@ from shardwise.engine.group_fingerprint import GroupFingerprint, Unchecked
 from shardwise.errors import ShardwiseError
 from shardwise.engine.mixed_precision import MixedPrecision
 from shardwise.engine.cpu_offload import CPUOffload
+from shardwise.engine.param_hooks import full_grad, has_tensor_hooks, hooked_piece, refuse_under_no_sync, tensor_hooks
 from shardwise.engine.plan import FlatGroupPlan
+from shardwise.engine.shard_grad import as_shard_grad, register_group
 from shardwise.engine.strategy import ProcessGroups
 
 
@@ -63,6 +65,8 @@ class FlatGroup:
         self.wants_kept_gathered = keep_gathered  # ZeRO-1/2: see strategy.Strategy.keeps_params_gathered
         self.all_reduce_grads = all_reduce_grads and groups.shard is not None  # ZeRO-1
         self.pgs = groups  # the process groups it shards and replicates over
+        # Gradients are handed out as ShardGrads (exact under torch's norms) where the shard group has ranks.
+        self.grad_key = register_group(groups.shard, device) if groups.shard is not None else 0
         self.device = device
         self.offload = offload
         self.transfers = None  # offload_transfers.OffloadTransfers of the model, set by shard() under offload
@@ -313,6 +317,7 @@ class FlatGroup:
             flat.add_(self._unsynced_grad)
             self._unsynced_grad = None
         if not sync:
+            refuse_under_no_sync(self)
             self._unsynced_grad = flat
             self._hand_out_unsynced()
             return None
@@ -348,10 +353,16 @@ class FlatGroup:
             self.checker.agree("the consistency exchange before a post-accumulate-grad hook")
         if grad_shard.dtype != self.plan.dtype or grad_shard.device != self.shard.device:
             grad_shard = grad_shard.to(device=self.shard.device, dtype=self.plan.dtype)
-        for p, (lo, hi, at) in zip(self.shard_params, self.local_slices):
+        full = full_grad(self, grad_shard) if has_tensor_hooks(self) else None  # (param_hooks.py)
+        for p, (lo, hi, at), spec in zip(self.shard_params, self.local_slices, self.plan.params):
             if not p.requires_grad:
                 continue  # frozen after shard(): autograd would give it no gradient either
-            piece = grad_shard.narrow(0, at, hi - lo)
+            if full is not None and tensor_hooks(p):
+                piece = hooked_piece(p, spec, full, lo, hi).to(grad_shard.device)
+            else:
+                piece = grad_shard.narrow(0, at, hi - lo)
+            if self.grad_key:
+                piece = as_shard_grad(piece, self.grad_key)
             if p.grad is None:
                 p.grad = piece
             else:

@@ -13,6 +13,7 @@ import torch.nn as nn
 from shardwise.engine import collectives
 from shardwise.engine.flat_group import FlatGroup
 from shardwise.engine.runtime import ModelRuntime, runtime_of
+from shardwise.engine.shard_grad import local_only
 from shardwise.errors import ShardwiseError
 
 
@@ -46,11 +47,12 @@ def grad_norm_terms(grads: list[torch.Tensor], norm_type: float) -> list[torch.T
     """Each local gradient piece's part of the global norm (fp32): its norm, or its largest magnitude for
     the inf-norm. Computed per piece, so a group's terms can be computed as soon as its gradients land
     (optim/offload_optimizer.py) and still sum exactly as ``clip_grad_norm_``'s."""
-    if math.isinf(norm_type):
-        # A rank's piece of a parameter may be empty (max() of nothing raises): only non-empty pieces count.
-        return [g.detach().abs().max().float() for g in grads if g.numel()]
-    # One foreach kernel over the pieces, not a Python loop of norms per parameter per step.
-    return list(torch._foreach_norm(grads, norm_type, dtype=torch.float32)) if grads else []
+    with local_only():  # this rank's pieces' own norms: global_grad_norm sums them over the ranks once
+        if math.isinf(norm_type):
+            # A rank's piece of a parameter may be empty (max() of nothing raises): only non-empty pieces count.
+            return [g.detach().abs().max().float() for g in grads if g.numel()]
+        # One foreach kernel over the pieces, not a Python loop of norms per parameter per step.
+        return list(torch._foreach_norm(grads, norm_type, dtype=torch.float32)) if grads else []
 
 
 def global_grad_norm(rt: ModelRuntime, terms: list[torch.Tensor], norm_type: float) -> torch.Tensor:

@@ -66,10 +66,14 @@ def autograd_engine_running() -> bool:
 class BackwardTicket:
     """One forward of a unit whose backward is still owed: counts the trainable groups not yet reduced."""
 
-    __slots__ = ("unit", "remaining")
+    __slots__ = ("unit", "remaining", "versions")
 
-    def __init__(self, unit: "Unit", remaining: int):
+    def __init__(self, unit: "Unit", remaining: int, versions: list):
         self.unit, self.remaining = unit, remaining
+        # Each trainable group's shard_version() when its views were made: a backward through views whose
+        # shards were written in place since (optimizer.step() between forward and backward) is refused, as
+        # torch refuses a backward through a tensor modified in place after it was saved.
+        self.versions = versions
 
 
 class UnshardParams(torch.autograd.Function):
@@ -160,7 +164,8 @@ class Unit:
         trainable = [g.any_requires_grad() for g in self.flat_groups] if torch.is_grad_enabled() else None
         ticket = None
         if trainable is not None and any(trainable):
-            ticket = BackwardTicket(self, sum(trainable))
+            versions = [g.shard_version() if rg else None for g, rg in zip(self.flat_groups, trainable)]
+            ticket = BackwardTicket(self, sum(trainable), versions)
         views = []
         for g, rg in zip(self.flat_groups, trainable or [False] * len(self.flat_groups)):
             views.append(UnshardParams.apply(g, ticket, g.grad_anchor) if rg else g.full_views())
@@ -344,6 +349,7 @@ class Unit:
     def post_backward(self, group: FlatGroup, grads, ticket: BackwardTicket) -> None:
         m = self.runtime
         _refuse_double_backward(self.label)
+        _refuse_written_since_forward(group, ticket.versions[self.flat_groups.index(group)], self.label)
         m.begin_backward()
         pending = group.reduce_grads(grads, sync=m.require_grad_sync)
         if pending is not None:
@@ -382,3 +388,16 @@ def _refuse_double_backward(label: str) -> None:
             f"backward with create_graph=True (double backward, e.g. a gradient penalty) reached unit "
             f"{label!r}: shardwise frees gathered parameters during backward and does not support it; "
             f"compute higher-order gradients outside the sharded model")
+
+
+def _refuse_written_since_forward(group: FlatGroup, versions: tuple, label: str) -> None:
+    now = group.shard_version()
+    if now == versions:
+        return
+    changed = [i for i, (a, b) in enumerate(zip(versions[1:], now[1:])) if a != b]
+    fqn = group.plan.params[changed[0] if changed else 0].fqn
+    raise ShardwiseError(
+        f"parameter {fqn!r} of unit {label!r} was modified in place after the forward this backward "
+        f"differentiates (optimizer.step() or a write under torch.no_grad() before loss.backward()): the "
+        f"backward would use the new values. Plain PyTorch raises 'one of the variables needed for gradient "
+        f"computation has been modified by an inplace operation' here; call backward before changing parameters")

@@ -26,6 +26,7 @@ import torch
 from shardwise.errors import ShardwiseError
 from shardwise.engine.logical_shapes import ParamInfo, layout_of, param_info
 from shardwise.optim import exchange
+from shardwise.engine.optimizer_guard import allow_optimizer
 from shardwise.optim.newton_schulz import DEFAULT_COEFFICIENTS, DEFAULT_EPS, DEFAULT_STEPS, orthogonalize
 
 UseMuon = Callable[[str, ParamInfo], bool]
@@ -275,3 +276,6 @@ def _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, group: dict) -> No
          fused=None, grad_scale=None, found_inf=None, has_complex=False, decoupled_weight_decay=True,
          amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
          eps=group["eps"], maximize=False)
+
+
+allow_optimizer(Muon)  # shardwise's own: orthogonalises whole matrices gathered across the shard group

@@ -35,6 +35,7 @@ from typing import Iterable, Optional
 import torch
 import torch.nn as nn
 
+from shardwise.engine import optimizer_guard
 from shardwise.engine.grad_norm import clip_coefficient, global_grad_norm, grad_norm_terms, group_grads, scale_grads
 from shardwise.engine.runtime import runtime_of
 from shardwise.errors import ShardwiseError
@@ -97,8 +98,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if g not in members:
                 continue
             groups = [{**_options(self.param_groups[j]), "params": ps} for j, ps in members[g]]
-            self._inner[g] = optimizer_cls(groups, **defaults)
-            self._option_source[g] = [source[id(ig["params"][0])] for ig in self._inner[g].param_groups]
+            self._inner[g] = inner = optimizer_cls(groups, **defaults)
+            self._option_source[g] = [source[id(ig["params"][0])] for ig in inner.param_groups]
+            optimizer_guard.examine(inner)  # an optimizer class that is not elementwise: refused now
+            inner.__dict__["_shardwise_inner"] = True  # its state is ours: checked by our step and load
         self._stepped: set = set()  # groups stepped since the last step() (during backward)
         self._norm_terms: dict = {}  # group -> its part of the global norm, from its last landing
         self._wire()
@@ -111,6 +114,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)  # replaces self.state and the param group dicts
         self._wire()
+        # Checked now, not at the first step: the inner optimizers may step during the next backward.
+        optimizer_guard.verify_loaded(self)
 
     # ---- called by offload_transfers as each gradient shard lands (worker thread under CUDA) ----------
     def take_landing(self, landing) -> None:
@@ -180,6 +185,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._stepped.clear()
         self._norm_terms.clear()
         return loss
+
+
+optimizer_guard.allow_optimizer(OffloadOptimizer)  # steps one inner optimizer per group, each checked
 
 
 def _options(param_group: dict) -> dict:

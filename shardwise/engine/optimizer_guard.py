@@ -1,0 +1,244 @@
+"""What every ``torch.optim.Optimizer`` step over shard parameters checks (process-wide step hooks).
+
+A shard parameter is one rank's 1-D piece of a parameter. An optimizer steps it exactly as it would the
+whole only if it updates each element from that element's own values and the optimizer's scalars: the
+*elementwise* family. Three things are checked, each once per optimizer (again when its parameter count
+changes, or its state is replaced by ``load_state_dict``), so a step costs a dict lookup:
+
+- **parameters from before ``shard()``** (retired: their memory is gone): refused.
+- **the optimizer class**: over pieces (a shard group of more than one rank), only the elementwise torch
+  optimizers below, their subclasses that keep their ``step``, and shardwise's own are accepted. LBFGS
+  (line search over the whole vector), Adafactor (row/column factors of a matrix), torch's Muon
+  (orthogonalises a matrix), SparseAdam and any unknown class are refused by name, unless the user
+  declares the class with ``shardwise.allow_optimizer`` (an explicit opt-in: "this class updates each
+  element from that element alone", or "I accept the per-piece result").
+- **whose state it holds**: optimizer state is per piece. ``optimizer.state_dict()`` stamps every piece's
+  entry *in the dict it returns* (``optimizer.state`` itself is left alone) with the piece it belongs to
+  (``STAMP_KEY``: a checksum of the parameter's name, its element range on this rank and its size);
+  ``load_state_dict`` carries the stamps into ``optimizer.state``. At the first step after the state was
+  replaced, every entry is compared with the piece it now sits on (and its stamp removed), and the ranks
+  agree on the verdict (one all-reduce), so a state saved by rank 0 alone and loaded everywhere (the DDP
+  habit), or one saved at another world size or plan, raises ``ShardwiseError`` on every rank instead of
+  stepping with the wrong moments. A state without stamps (shardwise's own checkpoints reshard; a
+  ``state_dict()`` taken before the optimizer's first step) is accepted when its tensors have the pieces'
+  shapes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+import zlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from shardwise.engine import collectives
+from shardwise.errors import ShardwiseError
+
+STAMP_KEY = "shardwise_piece"
+# optimizer -> its _Guard; beside the optimizer, not in it: a guard holds flat groups (and through them
+# process groups), which copy.deepcopy(optimizer) or pickling it must not meet.
+_GUARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_WHERE_ATTR = "_shardwise_where"  # logical_shapes: (FlatGroup, index) on every shard parameter
+
+# Verified elementwise per element (torch 2.13 sources): every per-parameter tensor of state has the
+# parameter's shape and is updated from the same element of param/grad/state; the rest are scalars that
+# depend only on the step count and hyperparameters (NAdam's mu_product, ASGD's eta/mu, RAdam's rho).
+_ELEMENTWISE = {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
+                torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD, torch.optim.Adadelta,
+                torch.optim.Rprop}
+_allowed: set = set()  # shardwise.allow_optimizer and shardwise's own optimizers
+
+
+def allow_optimizer(optimizer_cls: type) -> type:
+    """Accept ``optimizer_cls`` over sharded parameters although shardwise cannot tell it is elementwise.
+
+    After ``shard()`` an optimizer sees each rank's 1-D piece of every parameter; a class that updates each
+    element from that element's own values (and scalars) steps the pieces exactly as it would the whole.
+    Declare such a class here (a custom Adam variant, bitsandbytes' 8-bit Adam if its block-wise
+    quantisation per piece is acceptable to you). Anything that looks across a parameter (norms, matrix
+    factors, orthogonalisation, line search) will silently compute per piece. Returns the class, so it
+    can decorate one."""
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+        raise ShardwiseError(f"shardwise.allow_optimizer takes a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
+    _allowed.add(optimizer_cls)
+    return optimizer_cls
+
+
+def _step_function(cls: type):
+    # torch wraps ``step`` of every class it instantiates (profiling, hooks): compare the functions inside.
+    return inspect.unwrap(getattr(cls, "step", None))
+
+
+def is_elementwise(cls: type) -> bool:
+    """Whether ``cls`` is (or subclasses, keeping the ``step`` of) an accepted optimizer class."""
+    if cls in _allowed or cls in _ELEMENTWISE:
+        return True
+    step = _step_function(cls)
+    return any(issubclass(cls, base) and _step_function(base) is step for base in _ELEMENTWISE | _allowed)
+
+
+class _Guard:
+    """What is known about one optimizer (kept in ``_GUARDS``)."""
+
+    __slots__ = ("numel", "pieces", "state")
+
+    def __init__(self, numel: int, pieces: list):
+        self.numel = numel
+        self.pieces = pieces  # [(index in param order, param, FlatGroup, index in group)] of pieces
+        self.state = None  # the state dict object last verified: load_state_dict replaces it
+
+
+def _params(optimizer) -> list:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _examine(optimizer) -> _Guard:
+    params = _params(optimizer)
+    pieces = []
+    for i, p in enumerate(params):
+        fqn = getattr(p, "_shardwise_retired", None)
+        if fqn is not None:
+            raise ShardwiseError(
+                f"{type(optimizer).__name__} holds parameter {fqn!r} from before shardwise.shard(); "
+                f"build the optimizer after shard() from model.parameters()")
+        where = getattr(p, _WHERE_ATTR, None)
+        if where is not None:  # a shard parameter: 1-D, a piece of the whole even for a group of one rank
+            pieces.append((i, p) + tuple(where))
+    cls = type(optimizer)
+    if pieces and not _is_wrapper(optimizer) and not is_elementwise(cls):
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        raise ShardwiseError(
+            f"{name} is not a known elementwise optimizer, and after shardwise.shard() it would step each rank's "
+            f"1-D piece of parameter {pieces[0][2].plan.params[pieces[0][3]].fqn!r} (and every other) as if it "
+            f"were the whole parameter: norms, matrix factors or line searches would be per piece. Use an "
+            f"elementwise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, ASGD, Adadelta, "
+            f"Rprop), shardwise.optim.Muon, strategy='no_shard', or, if {cls.__name__} does update each element "
+            f"from that element alone, call shardwise.allow_optimizer({cls.__name__}) first")
+    return _Guard(len(params), pieces)
+
+
+def _is_wrapper(optimizer) -> bool:
+    """An optimizer that only forwards to an inner one over the same param groups (accelerate's
+    AcceleratedOptimizer): the inner optimizer's own step is checked."""
+    inner = getattr(optimizer, "optimizer", None)
+    return isinstance(inner, torch.optim.Optimizer) and inner.param_groups is optimizer.param_groups
+
+
+def stamp_of(p: torch.Tensor) -> Optional[int]:
+    """The identity of this rank's piece of shard parameter ``p``: name, element range, full size."""
+    where = getattr(p, _WHERE_ATTR, None)
+    if where is None:
+        return None
+    group, i = where
+    spec = group.plan.params[i]
+    lo, hi, _ = group.local_slices[i]
+    return zlib.crc32(f"{spec.fqn}|{lo}|{hi}|{spec.numel}".encode())
+
+
+def _problem(p: torch.Tensor, state: dict) -> Optional[str]:
+    saved = state.pop(STAMP_KEY, None)
+    if saved is not None and saved != stamp_of(p):
+        return "was saved for a different piece of it (another rank, world size or plan)"
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+            return f"holds {name!r} of shape {tuple(value.shape)}, but this rank's piece has shape {tuple(p.shape)}"
+    return None
+
+
+def verify_state(optimizer, guard: _Guard) -> None:
+    """Every piece's state belongs to that piece, agreed over the shard groups (see the module docstring)."""
+    first_bad, why = 0, None
+    for i, p, group, gi in guard.pieces:
+        state = optimizer.state.get(p)
+        problem = _problem(p, state) if state else None
+        if problem is not None and not first_bad:
+            first_bad, why = i + 1, problem  # (the loop goes on: every entry's stamp is removed)
+    verdict = torch.tensor([first_bad], dtype=torch.int64)
+    for pg, device in _shard_groups(guard):
+        flag = verdict.to(device)
+        collectives.run_and_wait(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=pg,
+                                 what="the optimizer-state ownership check")
+        verdict = flag.cpu()
+    bad = int(verdict[0])
+    if bad:
+        params = _params(optimizer)
+        where = getattr(params[bad - 1], _WHERE_ATTR)
+        fqn = where[0].plan.params[where[1]].fqn
+        detail = why if bad == first_bad else "on another rank of its shard group (see that rank's error)"
+        raise ShardwiseError(
+            f"{type(optimizer).__name__}'s state for parameter {fqn!r} {detail}: after shardwise.shard() "
+            f"optimizer.state_dict() holds this rank's pieces only. Save and load it per rank "
+            f"(torch.save(opt.state_dict(), f'optim-rank{{rank}}.pt')) at the same world size and plan, or use "
+            f"shardwise.save_checkpoint / load_checkpoint, which reshard")
+
+
+def _shard_groups(guard: _Guard) -> list:
+    """The process groups over which the verdict is agreed: the shard and replicate groups of the
+    parameters' models (every rank that steps them; MAX over one, then the other, is MAX over all)."""
+    seen, out = set(), []
+    for _i, _p, group, _gi in guard.pieces:
+        for pg in (group.pgs.shard, group.pgs.replicate):
+            if pg is not None and id(pg) not in seen:
+                seen.add(id(pg))
+                out.append((pg, group.device))
+    return out
+
+
+def _stamp_state_dict(optimizer, state_dict: dict) -> dict:
+    """``register_state_dict_post_hook``: stamp each piece's entry of the returned dict (copies: the entries
+    are ``optimizer.state``'s own dicts)."""
+    guard = _GUARDS.get(optimizer)
+    if guard is None:
+        return state_dict
+    index = {id(p): i for i, p in enumerate(_params(optimizer))}  # state_dict() numbers params in this order
+    packed = state_dict["state"]
+    for _i, p, _g, _gi in guard.pieces:
+        k = index.get(id(p))
+        if k in packed:
+            packed[k] = {**packed[k], STAMP_KEY: stamp_of(p)}
+    return state_dict
+
+
+def examine(optimizer) -> _Guard:
+    """The optimizer's guard, (re)built when its parameters changed: raises for retired parameters and
+    optimizer classes that are not elementwise over pieces."""
+    guard = _GUARDS.get(optimizer)
+    numel = sum(len(g["params"]) for g in optimizer.param_groups)
+    if guard is None or guard.numel != numel:
+        if guard is None and hasattr(optimizer, "register_state_dict_post_hook"):  # public since torch 2.3
+            optimizer.register_state_dict_post_hook(_stamp_state_dict)
+        guard = _examine(optimizer)
+        _GUARDS[optimizer] = guard
+    return guard
+
+
+def verify_loaded(optimizer) -> None:
+    """Check a just-loaded state now (every rank loads together): for optimizers that step in backward."""
+    guard = examine(optimizer)
+    if guard.pieces:
+        verify_state(optimizer, guard)
+        guard.state = optimizer.state
+
+
+def before_step(optimizer, args, kwargs) -> None:
+    guard = examine(optimizer)
+    if guard.pieces and optimizer.state is not guard.state and not optimizer.__dict__.get("_shardwise_inner"):
+        verify_state(optimizer, guard)
+        guard.state = optimizer.state
+
+
+_installed = False
+
+
+def install() -> None:
+    """Register the process-wide step hooks once (``shard()`` calls this)."""
+    global _installed
+    if _installed:
+        return
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(before_step)
+    _installed = True

@@ -1,0 +1,337 @@
+"""``ShardGrad``: the gradient of a sharded parameter knows that it is one rank's piece of a whole.
+
+After ``shard()`` each rank's ``p.grad`` holds a 1-D piece of the parameter's reduced gradient. Element-wise
+code (optimizers, ``clip_grad_value_``, scaling) is exact on pieces, but a reduction over a gradient is not:
+``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` (the DDP habit, and what Hugging Face Trainer,
+Accelerate and Lightning call), ``get_total_norm``, ``p.grad.norm()`` or ``GradScaler``'s inf check would
+each see the rank's piece and differ from rank to rank. So a piece's ``.grad`` is a ``ShardGrad`` (a plain
+tensor subclass over the same memory), and its ``__torch_function__`` decides per torch function:
+
+- **exact**: norms (``torch._foreach_norm``, ``linalg.vector_norm``, ``linalg.norm`` and ``Tensor.norm`` of
+  a vector, any order), full reductions (``sum``, ``mean``, ``max``/``min``/``amax``/``amin`` without a
+  dimension, ``any``, ``all``, ``count_nonzero``), ``dot``, and the inf/nan check of ``torch.amp.GradScaler``:
+  the local result is reduced over the parameter's shard group (one collective per call; one per dtype
+  group for ``clip_grad_norm_``, which takes the foreach path because ``ShardGrad`` is registered as a
+  foreach type the way torch registers ``DTensor``). Every rank must make the call, as with any collective.
+- **follows the piece**: ``detach``, ``.data``, dtype/device casts, ``clone``, element-wise maths (``abs``,
+  ``pow``, ``mul``...), ``view(-1)``/``flatten`` and ``cat`` return a ``ShardGrad`` again, so
+  ``p.grad.data.float().pow(2).sum()`` and ``parameters_to_vector(grads).norm()`` are exact too.
+- **refused** (``ShardwiseError``): functions whose answer depends on positions inside the whole tensor
+  (``sort``, ``topk``, ``argmax``, ``median``, ``quantile``, ``std``, ``cumsum``...).
+- everything else runs on the local piece and returns a plain tensor (indexing, in-place updates).
+
+Under ``no_shard`` and for a shard group of one rank a gradient is whole: it stays a plain tensor.
+Inside shardwise (our own ``clip_grad_norm_``, which sums norms itself) ``local_only()`` turns this off.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from shardwise.engine import collectives
+from shardwise.errors import ShardwiseError
+
+# key -> (shard process group, device its collectives run on); a key, not the group, rides on each tensor:
+# tensors get deep-copied and pickled, process groups cannot be.
+_GROUPS: dict[int, tuple] = {}
+
+
+def register_group(group: dist.ProcessGroup, device: torch.device) -> int:
+    """The key under which gradient pieces of ``group`` find it (one key per process group and device)."""
+    for key, (g, d) in _GROUPS.items():
+        if g is group and d == device:
+            return key
+    key = len(_GROUPS) + 1
+    _GROUPS[key] = (group, device)
+    _register_foreach_type()
+    return key
+
+
+def as_shard_grad(piece: torch.Tensor, key: int) -> torch.Tensor:
+    """``piece`` (a rank's piece of a gradient) as a ``ShardGrad`` over the same memory."""
+    out = piece.as_subclass(ShardGrad)
+    out._shard_key = key
+    return out
+
+
+def local_only():
+    """Within this block a ``ShardGrad`` behaves as the plain local piece (shardwise's own norm code).
+    ``torch._C.DisableTorchFunctionSubclass`` is the documented way for a subclass to step aside (torch
+    2.11, 2.13)."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+class ShardGrad(torch.Tensor):
+    """One rank's 1-D piece of a sharded parameter's gradient (see the module docstring)."""
+
+    _shard_key: int = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _EXACT.get(func)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        if func in _REFUSED:
+            raise ShardwiseError(
+                f"{_name(func)} on the gradient of a sharded parameter: the gradient is this rank's 1-D piece "
+                f"of the whole, and the answer depends on positions in the whole tensor; compute it in a tensor "
+                f"hook (p.register_hook), which sees the full gradient")
+        if func in _CONCATENATIONS:
+            _refuse_mixed(args[0] if args else kwargs.get("tensors", ()))
+        with local_only():
+            out = func(*args, **kwargs)
+        if func in _FOLLOWS_PIECE:
+            key = _key_of(args, kwargs)
+            if isinstance(out, torch.Tensor) and out.dim() == 1:  # (a view to another shape is no piece)
+                return as_shard_grad(out, key)
+        return out
+
+
+def _refuse_mixed(tensors) -> None:
+    """A concatenation of pieces is a piece of the concatenated whole; with a whole tensor among them
+    (a gradient of a parameter outside the sharded model) it is neither, and its norm would count the
+    whole tensor once per rank."""
+    if any(not isinstance(t, ShardGrad) and t.numel() for t in tensors):
+        raise ShardwiseError(
+            "torch.cat of sharded gradients (this rank's pieces) with whole tensors: the result is neither a "
+            "piece nor a whole, so its norm or sum would be wrong; reduce the two kinds separately")
+
+
+def _name(func) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+
+
+def _key_of(args, kwargs) -> int:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, ShardGrad):
+            return a._shard_key
+        if isinstance(a, (list, tuple)):
+            for t in a:
+                if isinstance(t, ShardGrad):
+                    return t._shard_key
+    return 0
+
+
+def _group(key: int) -> tuple:
+    return _GROUPS[key]
+
+
+# ---- exact reductions ------------------------------------------------------------------------------------
+def _combine(values: torch.Tensor, key: int, how: str, what: str) -> torch.Tensor:
+    """Reduce per-piece partial results (a 1-D float tensor) over the key's shard group."""
+    group, device = _group(key)
+    buf = values.to(device=device, dtype=torch.float64 if values.dtype == torch.float64 else torch.float32)
+    op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[how]
+    collectives.run_and_wait(dist.all_reduce, buf, op=op, group=group, what=what)
+    return buf.to(values.device)
+
+
+def _is_whole_vector(dim) -> bool:
+    return dim is None or dim in (0, -1) or (isinstance(dim, (tuple, list)) and list(dim) in ([0], [-1]))
+
+
+def _local_norms(pieces: list[torch.Tensor], ord: float) -> torch.Tensor:
+    """Per piece: its ``ord``-partial (sum of |x|^ord, or max/min |x|, or nonzero count), float32/64."""
+    out = []
+    for t in pieces:
+        a = t.detach().abs().to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+        if math.isinf(ord):
+            out.append((a.max() if ord > 0 else a.min()) if a.numel() else a.new_full((), 0.0 if ord > 0 else math.inf))
+        elif ord == 0:
+            out.append((a != 0).sum().to(a.dtype))
+        else:
+            out.append(a.pow(ord).sum())
+    return torch.stack(out) if out else torch.zeros(0)
+
+
+def _finish_norms(partials: torch.Tensor, ord: float) -> torch.Tensor:
+    if math.isinf(ord) or ord == 0:
+        return partials
+    return partials.pow(1.0 / ord)
+
+
+def _norms(pieces: list[torch.Tensor], ord, what: str) -> list[torch.Tensor]:
+    """Exact whole-tensor ``ord``-norms of ``pieces`` (ShardGrads and whole tensors mixed), one collective
+    per shard group among them."""
+    ord = 2.0 if ord is None or ord == "fro" else float(ord)
+    if ord < 0 and not math.isinf(ord):
+        raise ShardwiseError(f"{what} of order {ord} over sharded gradients is not supported")
+    with local_only():
+        partials = _local_norms(pieces, ord)
+        results = partials.clone()
+        keys = sorted({t._shard_key for t in pieces if isinstance(t, ShardGrad)})
+        for key in keys:
+            idx = [i for i, t in enumerate(pieces) if isinstance(t, ShardGrad) and t._shard_key == key]
+            how = "sum" if not math.isinf(ord) else ("max" if ord > 0 else "min")
+            results[idx] = _combine(partials[idx], key, how, what)
+        return list(_finish_norms(results, ord).unbind(0)) if pieces else []
+
+
+def _out_dtype(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.dtype:
+    return dtype or (t.dtype if t.is_floating_point() or t.is_complex() else torch.float32)
+
+
+def _foreach_norm(tensors, ord=2, dtype=None):
+    norms = _norms(list(tensors), ord, "torch._foreach_norm")
+    return tuple(n.to(_out_dtype(t, dtype)) for n, t in zip(norms, tensors))
+
+
+def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
+    if not _is_whole_vector(dim) or out is not None:
+        return _refuse_partial("torch.linalg.vector_norm", "dim/out")
+    (n,) = _norms([x], ord, "torch.linalg.vector_norm")
+    n = n.to(_out_dtype(x, dtype))
+    return n.reshape(1) if keepdim else n
+
+
+def _tensor_norm(x, p="fro", dim=None, keepdim=False, dtype=None, out=None):
+    if p == "nuc" or not _is_whole_vector(dim) or out is not None:
+        return _refuse_partial("norm", f"p={p!r}/dim/out")
+    return _vector_norm(x, p, dim, keepdim, dtype=dtype)
+
+
+def _linalg_norm(x, ord=None, dim=None, keepdim=False, *, dtype=None, out=None):
+    if ord in ("fro", "nuc") or not _is_whole_vector(dim) or out is not None:
+        return _refuse_partial("torch.linalg.norm", f"ord={ord!r}/dim/out")
+    return _vector_norm(x, 2 if ord is None else ord, dim, keepdim, dtype=dtype)
+
+
+def _refuse_partial(what: str, how: str):
+    raise ShardwiseError(f"{what} with {how} on the gradient of a sharded parameter: it is this rank's 1-D piece; "
+                         f"only whole-tensor norms are computed exactly across ranks")
+
+
+def _full_reduction(name: str, how: str, finish=None):
+    local = getattr(torch.Tensor, name)
+
+    def handler(x, *rest, **kwargs):
+        if rest and isinstance(rest[0], torch.Tensor):  # torch.max(a, b): element-wise, stays a piece
+            with local_only():
+                return as_shard_grad(local(x, *rest, **kwargs), _key_of((x,) + rest, kwargs))
+        dim = rest[0] if rest else kwargs.pop("dim", None)
+        if not _is_whole_vector(dim) or (dim is not None and name in ("max", "min")):
+            return _refuse_partial(f"Tensor.{name}", "a dimension")  # (max/min with a dim return positions)
+        keepdim = kwargs.pop("keepdim", False)
+        with local_only():
+            if x.numel() == 0 and name in ("max", "min", "amax", "amin"):
+                part = torch.tensor(-math.inf if how == "max" else math.inf, dtype=x.dtype, device=x.device)
+            else:
+                part = local(x, **kwargs)
+            wide = torch.float64 if part.dtype == torch.float64 else torch.float32
+            value = _combine(part.reshape(1).to(wide), x._shard_key, how, f"Tensor.{name} of a sharded gradient")[0]
+            if finish is not None:
+                value = finish(x, value)
+            value = value.to(part.dtype)
+            return value.reshape(1) if keepdim else value
+    return handler
+
+
+def _mean_finish(x, total):
+    count = _combine(torch.tensor([float(x.numel())]), x._shard_key, "sum", "Tensor.mean of a sharded gradient")
+    return total / count[0].to(total.device)
+
+
+def _dot(a, b, *, out=None):
+    with local_only():
+        part = torch.dot(a, b)
+    key = _key_of((a, b), {})
+    with local_only():
+        return _combine(part.reshape(1).float(), key, "sum", "torch.dot of sharded gradients")[0].to(part.dtype)
+
+
+def _non_finite_check(grads, found_inf, inv_scale):
+    """``torch.amp.GradScaler.unscale_``'s kernel: unscale locally, then agree on found_inf."""
+    with local_only():
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        for key in sorted({g._shard_key for g in grads if isinstance(g, ShardGrad)}):
+            found_inf.copy_(_combine(found_inf.reshape(1).float(), key, "max", "GradScaler's inf check")[0])
+
+
+def _bool_reduction(name: str, how: str):
+    def handler(x, *rest, **kwargs):
+        if rest or kwargs.get("dim") is not None:
+            return _refuse_partial(f"Tensor.{name}", "a dimension")
+        with local_only():
+            part = getattr(torch.Tensor, name)(x).float().reshape(1)
+            return _combine(part, x._shard_key, how, f"Tensor.{name} of a sharded gradient")[0].bool()
+    return handler
+
+
+def _count_nonzero(x, dim=None):
+    if dim is not None:
+        return _refuse_partial("torch.count_nonzero", "a dimension")
+    with local_only():
+        part = torch.count_nonzero(x).double().reshape(1)
+        return _combine(part, x._shard_key, "sum", "count_nonzero of a sharded gradient")[0].long()
+
+
+_EXACT = {
+    torch._foreach_norm: _foreach_norm,
+    torch.linalg.vector_norm: _vector_norm,
+    torch.linalg.norm: _linalg_norm,
+    torch.norm: _tensor_norm,
+    torch.Tensor.norm: _tensor_norm,
+    torch.dot: _dot,
+    torch.Tensor.dot: _dot,
+    torch._amp_foreach_non_finite_check_and_unscale_: _non_finite_check,
+    torch.count_nonzero: _count_nonzero,
+    torch.Tensor.count_nonzero: _count_nonzero,
+}
+for _fn, _how in (("sum", "sum"), ("max", "max"), ("min", "min"), ("amax", "max"), ("amin", "min")):
+    _EXACT[getattr(torch.Tensor, _fn)] = _EXACT[getattr(torch, _fn)] = _full_reduction(_fn, _how)
+_EXACT[torch.Tensor.mean] = _EXACT[torch.mean] = _full_reduction("sum", "sum", _mean_finish)
+for _fn, _how in (("any", "max"), ("all", "min")):
+    _EXACT[getattr(torch.Tensor, _fn)] = _EXACT[getattr(torch, _fn)] = _bool_reduction(_fn, _how)
+
+_REFUSED = {getattr(mod, n) for mod in (torch, torch.Tensor) for n in (
+    "sort", "argsort", "msort", "topk", "kthvalue", "argmax", "argmin", "median", "nanmedian", "mode", "quantile",
+    "nanquantile", "std", "var", "std_mean", "var_mean", "cumsum", "cumprod", "cummax", "cummin", "logsumexp",
+    "histc", "prod", "nansum", "nanmean") if hasattr(mod, n)}
+
+_CONCATENATIONS = {torch.cat, torch.concat}
+_FOLLOWS_PIECE = {torch.Tensor.data.__get__} | _CONCATENATIONS
+_FOLLOWS_PIECE |= {getattr(torch.Tensor, n) for n in (
+    "detach", "clone", "to", "float", "double", "half", "bfloat16", "cpu", "cuda", "contiguous", "abs", "neg",
+    "pow", "square", "sqrt", "mul", "div", "add", "sub", "__mul__", "__rmul__", "__truediv__", "__add__",
+    "__radd__", "__sub__", "__rsub__", "__neg__", "__abs__", "__pow__", "clamp", "clip", "sign", "isfinite",
+    "isnan", "isinf", "logical_not", "__invert__", "flatten", "ravel", "view", "reshape", "type_as", "conj",
+    "nan_to_num", "exp", "log", "float_power", "__and__", "__or__", "ne", "eq", "gt", "lt", "ge", "le",
+    "__ne__", "__eq__", "__gt__", "__lt__", "__ge__", "__le__", "where", "masked_fill")
+    if hasattr(torch.Tensor, n)}
+_FOLLOWS_PIECE |= {getattr(torch, n) for n in (
+    "abs", "pow", "square", "sqrt", "mul", "div", "add", "sub", "clamp", "clip", "sign", "isfinite", "isnan",
+    "isinf", "flatten", "ravel", "reshape", "nan_to_num", "where", "exp", "log") if hasattr(torch, n)}
+
+
+_foreach_registered = False
+
+
+def _register_foreach_type() -> None:
+    """Let torch's optimizers and ``clip_grad_norm_`` keep their foreach paths for gradients that are
+    ``ShardGrad``s (one exact collective per dtype group instead of one per tensor). Private list
+    ``torch.utils._foreach_utils._foreach_supported_types``, appended to exactly as torch does for
+    ``DTensor`` (checked on torch 2.11 and 2.13)."""
+    global _foreach_registered
+    if _foreach_registered:
+        return
+    from torch.utils import _foreach_utils
+
+    types = getattr(_foreach_utils, "_foreach_supported_types", None)
+    if isinstance(types, list) and ShardGrad not in types:
+        types.append(ShardGrad)
+    _foreach_registered = True
+
+
+def strip(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A plain tensor over the same memory (for code that must not see a ShardGrad)."""
+    if isinstance(t, ShardGrad):
+        with local_only():
+            return t.as_subclass(torch.Tensor)
+    return t
+
+
