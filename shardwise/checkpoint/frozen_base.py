@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from shardwise.checkpoint.format import dtype_name
 from shardwise.errors import ShardwiseError
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")

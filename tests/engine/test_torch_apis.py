@@ -15,14 +15,12 @@ size 2 under three strategies runs by default, the other two and world size 3 (u
 
 from __future__ import annotations
 
-import copy
 import io
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import shardwise
 from harness import run_distributed
