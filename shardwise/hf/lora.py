@@ -132,6 +132,9 @@ def lora_param_init_fn(model: nn.Module, base_init: Callable[[nn.Module], None] 
             layer, name, how = owner
             layer.reset_lora_parameters(name, how)
 
+    # The base's init may leave the base unwritten on purpose (skip_weight_init: load_pretrained follows);
+    # shard() must know, or its meta init refuses those parameters as never initialised.
+    init.leaves_parameters_unwritten = getattr(base_init, "leaves_parameters_unwritten", False)
     return init
 
 
