@@ -47,7 +47,8 @@ class Interrupted(Exception):
 
 
 def train_main(argv: Sequence[str]) -> int:
-    from shardwise.trainer.config import help_text, resolve
+    from shardwise.trainer.config import resolve
+    from shardwise.trainer.help import help_text
     from shardwise.trainer.launch import under_torchrun
     from shardwise.trainer.preflight import check_before_launch
 

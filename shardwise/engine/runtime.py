@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from shardwise.engine import collectives, watchdog
-from shardwise.engine.flat_group import PendingReduce
+from shardwise.engine.pending_reduce import PendingReduce
 from shardwise.engine.mixed_precision import MixedPrecision
 from shardwise.engine.strategy import ProcessGroups, Strategy
 from shardwise.engine.unit import FrameKind, Phase, Unit

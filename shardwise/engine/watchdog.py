@@ -64,6 +64,7 @@ from typing import Callable, Optional, Union
 import torch.distributed as dist
 
 from shardwise.engine import flags
+from shardwise.engine.stall_report import GATHER_S, render
 from shardwise.errors import ShardwiseError
 
 ENV = flags.STALL_S
@@ -72,7 +73,6 @@ STEP_FACTOR = 5.0
 FIRST_STEP_S = 300.0
 POLL_S = 1.0
 SLICE_S = 0.25
-GATHER_S = 5.0
 _SLICE = timedelta(seconds=SLICE_S)
 _KEY = "shardwise/stall"
 PROBE_S = 2.0  # a wait this long, with out-of-band fingerprints not yet compared, starts a quiet probe
@@ -311,46 +311,6 @@ def _unchecked(rings: dict | None) -> bool:
     return bool(rings) and any(r.get("log_len") for r in rings.values())
 
 
-def _describe(line: Optional[dict]) -> str:
-    if line is None:
-        return (f"silent: no answer in {GATHER_S:.0f} s (its process died, hangs holding the GIL, or has not "
-                f"reached shardwise yet)")
-    if line.get("in") is not None:
-        return f"in {line['in']} for {line['for']:.1f} s (step {line['step']})"
-    last = f", {line['last']}," if line.get("last") else ""
-    where = f"since step {line['step']}" if line["step"] else "before its first step"
-    return f"outside shardwise {where} (its last shardwise wait{last} ended {line['idle']:.1f} s ago)"
-
-
-def _render(report: dict, world: int) -> str:
-    lines = report["lines"]
-    by = lines.get(str(report["by"])) or {}
-    if by.get("in") is not None:
-        head = (f"rank {report['by']} waited {by['for']:.1f} s in {by['in']} (stall threshold "
-                f"{report['thr']:.1f} s, {ENV}). Where every rank is:")
-    elif report["by"] is None:
-        head = "another rank started a stall report and never finished it (did it die?). This rank:"
-    else:
-        head = f"rank {report['by']} reported a stall. Where every rank is:"
-    ranks = range(world) if report["by"] is not None else sorted(int(r) for r in lines)
-    rows = [f"  rank {r}: {_describe(lines.get(str(r)))}" for r in ranks]
-    rows += [f"  {line}" for line in report.get("collectives", [])]
-    if report.get("note"):
-        rows.append(f"  ({report['note']})")
-    if report.get("diverged"):
-        tail = (f"{report['diverged']}. The ranks waiting in shardwise raise ShardwiseError; the process group "
-                f"is unusable from here on: exit.")
-    elif report["raise"]:
-        tail = ("Ranks must issue shardwise's collectives in the same order: a rank that ran fewer forwards "
-                "(generate() stopped early, a skipped batch) or called clip_grad_norm_ / full_state_dict "
-                "alone leaves the others waiting. The ranks waiting in shardwise raise ShardwiseError; their collective "
-                "stays pending, so the process group is unusable from here on: exit. "
-                f"{ENV}=<seconds> changes the threshold, {ENV}=0 turns the watchdog off.")
-    else:
-        tail = f"Report only, nothing raised: {report['why']}."
-    return "\n".join([head, *rows, tail])
-
-
 class _Watchdog:
     """Store keys, per report n = 1, 2, ...: ``{_KEY}/n/claim`` (counter: the first to add 1 starts it),
     ``/start`` (set by that rank), ``/<rank>`` (each rank's line, JSON), ``/report`` (the verdict, JSON)."""
@@ -468,7 +428,7 @@ class _Watchdog:
     def finish(self, report: dict, rank: int, world: int) -> None:
         if report.get("quiet"):
             return
-        text = _render(report, world)
+        text = render(report, world)
         mine = report["lines"].get(str(rank))
         s = _state
         if report["raise"] and mine is not None and mine.get("in") is not None and s.what is not None \

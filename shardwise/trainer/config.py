@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from shardwise.engine.strategy import ALIASES as STRATEGY_ALIASES, STRATEGY_NAMES
+from shardwise.trainer.defaults import with_defaults
 from shardwise.usage import ConfigError
 
 
@@ -193,13 +194,6 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "timeout_s": (1, 7 * 24 * 3600), "seed": (0, 2**32 - 1), "lora_r": (0, 2**16),
 }
 _NON_NEGATIVE = ("lr", "weight_decay", "max_grad_norm", "peak_tflops")
-
-
-# What ``defaults = "huggingface"`` changes: HF TrainingArguments' and run_clm.py's values where they differ from
-# ours (seq_len: run_clm's block_size, min(1024, the model's positions), filled in by ``resolve``).
-HF_DEFAULTS: dict[str, Any] = {"lr": 5e-5, "lr_schedule": "linear", "min_lr_ratio": 0.0, "warmup_steps": 0,
-                               "weight_decay": 0.0, "adam_beta2": 0.999, "batch_size": 8}
-HF_MAX_BLOCK_SIZE = 1024
 
 
 def option_label(key: str) -> str:
@@ -438,43 +432,8 @@ def resolve(argv: Sequence[str]) -> TrainConfig:
     values, labels = load_toml(config_path) if config_path else ({}, {})
     values.update(overrides)
     labels.update({k: option_label(k) for k in overrides})
-    if values.get("defaults", "auto") == "auto":
-        values["defaults"] = "huggingface" if hf_spelled(argv) else "shardwise"
-    if values["defaults"] == "huggingface":
-        values = {**HF_DEFAULTS, **values}
-        if "seq_len" not in values:
-            values["seq_len"] = _hf_block_size(values.get("model", TrainConfig.model))
+    values = with_defaults(values, argv, TrainConfig.model, TrainConfig.seq_len)
     return validate(TrainConfig(**values), labels)
-
-
-def hf_spelled(argv: Sequence[str]) -> bool:
-    """Does the command line spell any option the Hugging Face way (underscores, or --fsdp / --bf16 / --fp16)?"""
-    from shardwise.trainer.hf_args import HF_ONLY_FLAGS
-
-    names = [a[2:].partition("=")[0] for a in argv if a.startswith("--")]
-    return any("_" in n or n.lower() in HF_ONLY_FLAGS for n in names)
-
-
-def _hf_block_size(model: str) -> int:
-    """run_clm.py's default block size: the model's positions, at most 1024 (128 when the model cannot be read:
-    the launcher's checks then name the problem)."""
-    from shardwise.hf.model_spec import ModelError, resolve_model
-
-    try:
-        positions = resolve_model(model).max_seq_len
-    except (ModelError, OSError, ValueError):
-        return TrainConfig.seq_len
-    return min(HF_MAX_BLOCK_SIZE, positions or HF_MAX_BLOCK_SIZE)
-
-
-def defaults_note(cfg: TrainConfig) -> str:
-    """The banner's statement of the optimisation settings and whose defaults filled them."""
-    whose = ("Hugging Face Trainer's (HF spellings on the command line; --defaults shardwise for shardwise's)"
-             if cfg.defaults == "huggingface" else "shardwise's (--defaults huggingface for the HF Trainer's)")
-    decay = "flat" if cfg.lr_schedule == "constant" else f"{cfg.lr_schedule} decay to {cfg.lr * cfg.min_lr_ratio:g}"
-    return (f"lr {cfg.lr:g}, {cfg.warmup_steps} warm-up steps, {decay} | AdamW betas ({cfg.adam_beta1:g}, "
-            f"{cfg.adam_beta2:g}), weight decay {cfg.weight_decay:g} | batch {cfg.batch_size}, seq-len "
-            f"{cfg.seq_len} | defaults: {whose}")
 
 
 def to_toml(cfg: TrainConfig) -> str:
@@ -499,48 +458,3 @@ def save(cfg: TrainConfig, run_dir: str) -> str:
     with open(path, "w") as f:
         f.write(to_toml(cfg))
     return path
-
-
-def field_groups() -> dict[str, list[str]]:
-    """The ``# ---- title ----`` sections of TrainConfig's body: title -> its field names, in order."""
-    import re
-
-    groups: dict[str, list[str]] = {}
-    title = "options"
-    for line in inspect.getsource(TrainConfig).splitlines():
-        heading = re.match(r"\s*# -+ (.+?) -+$", line)
-        field_line = re.match(r"\s{4}(\w+): [\w\[\], .]+ = ", line)
-        if heading:
-            title = heading.group(1)
-        elif field_line:
-            groups.setdefault(title, []).append(field_line.group(1))
-    return groups
-
-
-def help_text(width: int = 100) -> str:
-    """``shardwise train --help``: the options by group, each with its aliases, default and what it does."""
-    import textwrap
-
-    from shardwise.trainer.hf_args import HF_HELP
-
-    helps = field_help()
-    defaults = dataclasses.asdict(TrainConfig())
-    aliases: dict[str, list[str]] = {}
-    for alias, key in ALIASES.items():
-        aliases.setdefault(key, []).append("--" + alias)
-    rows = ["usage: shardwise train [--config FILE.toml] [--option value ...] [--debug]", "",
-            "Options: dashes on the command line, underscores in TOML (later ones win: defaults, then --config,",
-            "then the command line); true/false options also as --flag / --no-flag.", "",
-            "  --config FILE.toml  read options from a TOML file (a run's config.toml reruns it)",
-            "  --debug             show tracebacks, the workers' too, instead of one-line errors",
-            "  -h, --help          this text"]
-    indent = " " * 6
-    for title, names in field_groups().items():
-        rows += ["", f"{title}:"]
-        for name in names:
-            also = f" (also {', '.join(aliases[name])})" if name in aliases else ""
-            rows.append(f"  --{name.replace('_', '-')}{also}  [default: {defaults[name]!r}]")
-            rows += textwrap.wrap(helps.get(name, ""), width, initial_indent=indent, subsequent_indent=indent)
-    rows += ["", "Hugging Face Trainer / run_clm.py flags:"]
-    rows += textwrap.wrap(HF_HELP, width, initial_indent="  ", subsequent_indent="  ")
-    return "\n".join(rows)

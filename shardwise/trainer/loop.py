@@ -20,7 +20,7 @@ import random
 import sys
 import time
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -45,6 +45,7 @@ from shardwise.trainer import (
     state,
 )
 from shardwise.trainer.config import TrainConfig
+from shardwise.trainer.defaults import defaults_note
 from shardwise.trainer.lora_model import quant_settings, wrap_lora
 from shardwise.trainer.loss import global_loss_targets, loss_targets, micro_batch_loss
 from shardwise.trainer.sources import Sampler, open_training_data
@@ -180,28 +181,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         flops_per_token=spec.flops_per_token(num_params, cfg.seq_len),
         peak_tflops=metrics.peak_tflops_per_rank(device, torch.get_num_threads(), cfg.peak_tflops),
         device=device, progress=cfg.progress, fresh=start_step == 0)
-    log.write(f"shardwise train | model {spec.name} ({num_params / 1e6:.2f}M params) | {world} rank(s), "
-              f"{dist.get_backend()}, {cfg.sharding_strategy} | data {cfg.data}: {data.train_tokens:,} train / "
-              f"{data.val_tokens:,} val tokens | {tokens_per_step:,} tokens/step | run dir {cfg.out}")
-    log.write(config_mod.defaults_note(cfg))
-    for line in sharding_notes(cfg, model, device):
-        log.write(f"note: {line}")
-    if note:
-        log.write(f"resume: {note}")
-    if start_step == 0 and rank == 0 and any(n.startswith("step-") for n in os.listdir(cfg.out)):
-        log.write(f"note: {cfg.out} already holds checkpoints and this run starts fresh (no --resume): "
-                  f"they will be overwritten step by step; pass --resume latest to continue instead")
-    if start_step:
-        log.write(f"resumed at step {start_step}")
+    _write_banner(log, cfg, spec, model, data, device, num_params, tokens_per_step, start_step, note)
 
     summary: dict[str, Any] = {"start_step": start_step, "val_losses": []}
     if start_step == 0 and cfg.eval_every:
-        # The starting point of both curves: fixed batches of each split (training steps draw steps >= 1).
-        v = evaluate(model, spec, val_data, cfg.eval_batches, device)
-        t = evaluate(model, spec, train_data, cfg.eval_batches, device)
-        summary["val_losses"].append((0, v))
-        log.write(f"step 0 | loss {t:.4f} | val_loss {v:.4f}")
-        log.append({"step": 0, "loss": t, "val_loss": v, "time": time.time()})
+        summary["val_losses"].append((0, _evaluate_start(cfg, spec, model, data, device, log)))
 
     grad_norm = float("nan")
     lr = 0.0
@@ -222,19 +206,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                         global_targets=loss_targets, world_size=world)
                 (scaler.scale(loss) if scaler is not None else loss).backward()
             step_loss += float(loss.detach())
-        if scaler is not None:
-            scaler.unscale_(optimizer)  # clip true gradients; an overflow makes the norm inf and the step skip
-        if isinstance(optimizer, shardwise.OffloadOptimizer):
-            optimizer.step()  # clips inside: the per-unit norms were taken as the gradients landed
-            grad_norm = float(optimizer.last_grad_norm)
-        else:
-            grad_norm = float(shardwise.clip_grad_norm_(model, clip_to))
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = _optimizer_step(model, optimizer, scaler, clip_to)
         log.add_step(step_loss)
 
         last = step == cfg.steps
@@ -250,27 +222,83 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                              frozen_base=frozen_base)
             if last:
                 summary["checkpoint"] = str(path)
-                if cfg.lora_r:  # the adapters as peft saves them: PeftModel.from_pretrained(base, run/adapter)
-                    from shardwise.hf.lora import save_adapter
-
-                    save_adapter(model, os.path.join(cfg.out, "adapter"),
-                                 base=os.path.abspath(spec.weights_dir) if spec.weights_dir else None)
-                    summary["adapter"] = os.path.join(cfg.out, "adapter")
+                if cfg.lora_r:
+                    summary["adapter"] = _save_adapter(cfg, spec, model)
     log.close()
     summary["train_seconds"] = time.perf_counter() - t_start
     summary["final_step"] = cfg.steps
     summary["grad_norm"] = grad_norm
     if rank == 0:
-        png = os.path.join(cfg.out, "metrics.png")
-        plot.plot_metrics(log.path, png, title=f"{spec.name} | {world} ranks | {cfg.sharding_strategy}")
-        summary["metrics_png"] = png
-        # the whole run's curve (metrics.jsonl spans resumes), not only this process's part of it
-        vals = [(r["step"], r["val_loss"]) for r in plot.read_metrics(log.path) if r.get("val_loss") is not None]
-        if vals:
-            resumed = f" (resumed at step {start_step})" if start_step else ""
-            print(f"validation loss {vals[0][1]:.4f} (step {vals[0][0]}) -> {vals[-1][1]:.4f} (step {vals[-1][0]})"
-                  f"{resumed} | checkpoint {summary.get('checkpoint')} | {png}", flush=True)
+        summary["metrics_png"] = _plot_and_summarise(cfg, spec, log.path, world, start_step, summary)
     return summary
+
+
+def _evaluate_start(cfg: TrainConfig, spec: ModelSpec, model: nn.Module, data, device: torch.device, log) -> float:
+    """The starting point of both curves: fixed batches of each split (training steps draw steps >= 1)."""
+    v = evaluate(model, spec, data.val, cfg.eval_batches, device)
+    t = evaluate(model, spec, data.train, cfg.eval_batches, device)
+    log.write(f"step 0 | loss {t:.4f} | val_loss {v:.4f}")
+    log.append({"step": 0, "loss": t, "val_loss": v, "time": time.time()})
+    return v
+
+
+def _save_adapter(cfg: TrainConfig, spec: ModelSpec, model: nn.Module) -> str:
+    """The adapters as peft saves them, for ``PeftModel.from_pretrained(base, RUN/adapter)``."""
+    from shardwise.hf.lora import save_adapter
+
+    out = os.path.join(cfg.out, "adapter")
+    save_adapter(model, out, base=os.path.abspath(spec.weights_dir) if spec.weights_dir else None)
+    return out
+
+
+def _write_banner(log, cfg: TrainConfig, spec: ModelSpec, model: nn.Module, data, device: torch.device,
+                  num_params: int, tokens_per_step: int, start_step: int, note: Optional[str]) -> None:
+    """The lines a run starts with: what trains on what, whose defaults, sharding notes, the resume."""
+    log.write(f"shardwise train | model {spec.name} ({num_params / 1e6:.2f}M params) | {dist.get_world_size()} "
+              f"rank(s), {dist.get_backend()}, {cfg.sharding_strategy} | data {cfg.data}: {data.train_tokens:,} "
+              f"train / {data.val_tokens:,} val tokens | {tokens_per_step:,} tokens/step | run dir {cfg.out}")
+    log.write(defaults_note(cfg))
+    for line in sharding_notes(cfg, model, device):
+        log.write(f"note: {line}")
+    if note:
+        log.write(f"resume: {note}")
+    if start_step == 0 and dist.get_rank() == 0 and any(n.startswith("step-") for n in os.listdir(cfg.out)):
+        log.write(f"note: {cfg.out} already holds checkpoints and this run starts fresh (no --resume): "
+                  f"they will be overwritten step by step; pass --resume latest to continue instead")
+    if start_step:
+        log.write(f"resumed at step {start_step}")
+
+
+def _optimizer_step(model: nn.Module, optimizer, scaler, clip_to: float) -> float:
+    """Clip and step (skipped by the fp16 scaler on an overflow), then drop the gradients. Returns the
+    gradient norm before clipping."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # clip true gradients; an overflow makes the norm inf and the step skip
+    if isinstance(optimizer, shardwise.OffloadOptimizer):
+        optimizer.step()  # clips inside: the per-unit norms were taken as the gradients landed
+        grad_norm = float(optimizer.last_grad_norm)
+    else:
+        grad_norm = float(shardwise.clip_grad_norm_(model, clip_to))
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def _plot_and_summarise(cfg: TrainConfig, spec: ModelSpec, metrics_path: str, world: int, start_step: int,
+                        summary: dict) -> str:
+    """Rank 0: metrics.png and the one summary line of the whole run's curve (metrics.jsonl spans resumes)."""
+    png = os.path.join(cfg.out, "metrics.png")
+    plot.plot_metrics(metrics_path, png, title=f"{spec.name} | {world} ranks | {cfg.sharding_strategy}")
+    vals = [(r["step"], r["val_loss"]) for r in plot.read_metrics(metrics_path) if r.get("val_loss") is not None]
+    if vals:
+        resumed = f" (resumed at step {start_step})" if start_step else ""
+        print(f"validation loss {vals[0][1]:.4f} (step {vals[0][0]}) -> {vals[-1][1]:.4f} (step {vals[-1][0]})"
+              f"{resumed} | checkpoint {summary.get('checkpoint')} | {png}", flush=True)
+    return png
 
 
 @record  # with --debug, a failing rank's traceback reaches the launcher's error report

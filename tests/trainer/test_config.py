@@ -52,6 +52,8 @@ def test_hf_flags_with_no_meaning_say_why_and_bf16_with_fp16_is_refused():
 
 
 def test_hf_spelled_command_lines_take_hf_defaults_and_say_so():
+    from shardwise.trainer.defaults import defaults_note
+
     """A run_clm.py-style command line gets HF Trainer's defaults for what it does not set; dashes keep
     shardwise's; --defaults chooses explicitly; given options always win."""
     hf = C.resolve(["--learning_rate", "2e-5", "--model", "gpt-tiny"])
@@ -62,7 +64,7 @@ def test_hf_spelled_command_lines_take_hf_defaults_and_say_so():
     assert (ours.defaults, ours.lr_schedule, ours.warmup_steps, ours.weight_decay) == ("shardwise", "cosine", 10, 0.1)
     assert C.resolve(["--bf16", "--defaults", "shardwise"]).weight_decay == 0.1
     assert C.resolve(["--defaults", "huggingface", "--weight-decay", "0.05"]).weight_decay == 0.05
-    assert "defaults: Hugging Face Trainer's" in C.defaults_note(hf)
+    assert "defaults: Hugging Face Trainer's" in defaults_note(hf)
 
 
 def test_config_toml_records_the_defaults_used(tmp_path):
@@ -104,7 +106,9 @@ def test_bad_toml_and_missing_file(tmp_path):
 
 
 def test_help_lists_every_field_with_its_docstring():
-    text = C.help_text()
+    from shardwise.trainer.help import help_text
+
+    text = help_text()
     for name in C.TrainConfig.__dataclass_fields__:
         assert f"--{name.replace('_', '-')}" in text
     assert "Recompute each unit's forward during backward" in text
