@@ -74,7 +74,7 @@ def _logits(model, x):
 
 
 def _kept_copy_writes(rank, world):
-    """After a step, the shards are written three ways between two forwards; each strategy's outputs must
+    """After a step, the shards are written four ways between forwards; each strategy's outputs must
     equal full_shard's (which gathers at every forward, so it always reads the shards)."""
     (x, y), = make_batches(1, VOCAB)
     out = {}
@@ -91,6 +91,10 @@ def _kept_copy_writes(rank, world):
         if rank == 0:  # a write on one rank only: that rank's shards change, the others' do not
             for p in model.parameters():
                 p.data.add_(0.25)
+        seen.append(_logits(model, x))
+        with shardwise.summon_full_params(model, writeback=True), torch.no_grad():  # an edit of full parameters
+            for p in model.parameters():
+                p.mul_(0.75)
         seen.append(_logits(model, x))
         gpt_loss(model, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
         assert_engine_clean(model)
@@ -379,7 +383,7 @@ def test_kept_parameters_follow_every_write_to_the_shards(llama_dir):
         seen = scenario(rank_report, "kept_copy_writes")
         for strategy in KEPT:
             for when, (got, want) in enumerate(zip(seen[strategy], seen["full_shard"])):
-                assert torch.equal(got, want), (strategy, ["after a step", "after p.data", "after rank 0"][when])
+                assert torch.equal(got, want), (strategy, ["after a step", "after p.data", "after rank 0", "after summon writeback"][when])
 
 
 def test_load_pretrained_after_a_forward_is_used_under_zero1_and_zero2(llama_dir):
