@@ -83,8 +83,7 @@ class FlatGroup:
             lo, hi = spec.local_range(start, end)
             self.local_slices.append((lo, hi, spec.offset + lo - start if hi > lo else 0))
         self.shard_params: list[nn.Parameter] = [
-            make_shard_param(torch.empty(0, dtype=plan.dtype), self.grad_key, spec.requires_grad, self, i)
-            for i, spec in enumerate(plan.params)]
+            make_shard_param(torch.empty(0, dtype=plan.dtype), self.grad_key, spec.requires_grad) for spec in plan.params]
         self.direct = DirectGrads()  # gradients that reach the parameters directly (a penalty): direct_grads.py
         # The autograd input of this group's UnshardParams (runtime.py): an empty leaf that needs a gradient.
         self.grad_anchor = torch.empty(0, device=device, requires_grad=True)

@@ -1,27 +1,34 @@
-"""``ShardGrad``: the gradient of a sharded parameter knows that it is one rank's piece of a whole.
+"""Pieces: the parameters and gradients of a sharded model know that they are one rank's piece of a whole.
 
-After ``shard()`` each rank's ``p.grad`` holds a 1-D piece of the parameter's reduced gradient. Element-wise
-code (optimizers, ``clip_grad_value_``, scaling) is exact on pieces, but a reduction over a gradient is not:
-``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` (the DDP habit, and what Hugging Face Trainer,
-Accelerate and Lightning call), ``get_total_norm``, ``p.grad.norm()`` or ``GradScaler``'s inf check would
-each see the rank's piece and differ from rank to rank. So a piece's ``.grad`` is a ``ShardGrad`` (a plain
-tensor subclass over the same memory), and its ``__torch_function__`` decides per torch function:
+After ``shard()`` each parameter is a 1-D piece of the whole (a ``shard_param.ShardParam``) and so is its
+``p.grad`` (a ``ShardGrad``). Element-wise code (optimizers, ``clip_grad_value_``, scaling) is exact on
+pieces, but a reduction is not: ``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` (the DDP
+habit, and what Hugging Face Trainer, Accelerate and Lightning call), ``get_total_norm`` of the gradients or
+of the parameters, ``p.grad.norm()``, ``p.norm()``, an L2 penalty written by hand or ``GradScaler``'s inf
+check would each see the rank's piece and differ from rank to rank. So both are ``ShardPiece`` subclasses
+(plain tensor subclasses over the same memory) whose one ``__torch_function__`` here decides per torch
+function, for parameters and gradients alike:
 
 - **exact**: norms (``torch._foreach_norm``, ``linalg.vector_norm``, ``linalg.norm`` and ``Tensor.norm`` of
   a vector, any order), full reductions (``sum``, ``mean``, ``max``/``min``/``amax``/``amin`` without a
   dimension, ``any``, ``all``, ``count_nonzero``), ``dot``, and the inf/nan check of ``torch.amp.GradScaler``:
-  the local result is reduced over the parameter's shard group (one collective per call; one per dtype
-  group for ``clip_grad_norm_``, which takes the foreach path because ``ShardGrad`` is registered as a
-  foreach type the way torch registers ``DTensor``). Every rank must make the call, as with any collective.
+  the local result is reduced over the shard group in ``_combine`` (one collective per call; one per dtype
+  group for ``clip_grad_norm_``, which takes the foreach path because the piece classes are registered as
+  foreach types the way torch registers ``DTensor``). Every rank must make the call, as with any collective.
+  Sums, means, dots and finite-order norms are differentiable (``_through_local``: each piece gets its
+  single-process gradient); a backward through a maximum, minimum or count refuses by name.
 - **follows the piece**: ``detach``, ``.data``, dtype/device casts, ``clone``, element-wise maths (``abs``,
-  ``pow``, ``mul``...), ``view(-1)``/``flatten`` and ``cat`` return a ``ShardGrad`` again, so
-  ``p.grad.data.float().pow(2).sum()`` and ``parameters_to_vector(grads).norm()`` are exact too.
+  ``pow``, ``mul``...), ``view(-1)``/``flatten`` and ``cat`` return a piece again (a ``ShardGrad`` where a
+  gradient is among the inputs, else a plain ``ShardPiece``), so ``p.grad.data.float().pow(2).sum()`` and
+  ``parameters_to_vector(model.parameters()).norm()`` are exact too.
 - **refused** (``ShardwiseError``): functions whose answer depends on positions inside the whole tensor
   (``sort``, ``topk``, ``argmax``, ``median``, ``quantile``, ``std``, ``cumsum``...).
 - everything else runs on the local piece and returns a plain tensor (indexing, in-place updates).
 
-Under ``no_shard`` and for a shard group of one rank a gradient is whole: it stays a plain tensor.
-Inside shardwise (our own ``clip_grad_norm_``, which sums norms itself) ``local_only()`` turns this off.
+Under ``no_shard`` and for a shard group of one rank a piece is whole (key 0): a gradient stays a plain
+tensor, a parameter is a ``ShardParam`` whose reductions are the plain local ones (shard_param.py says why it
+is one at all). Inside shardwise (our own ``clip_grad_norm_``, which sums norms itself, and the engine's reads
+of its parameters) ``local_only()`` turns this off.
 """
 
 from __future__ import annotations

@@ -30,11 +30,10 @@ The engine reads its own parameters inside ``local_only()``: no Python dispatch 
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn as nn
 
+from shardwise.engine.logical_shapes import where_of
 from shardwise.engine.shard_grad import (_EXACT, _FOLLOWS_PIECE, _FOREACH_TYPES, ShardPiece, as_piece, local_only,
                                          register_foreach_types, strip)
 from shardwise.errors import ShardwiseError
@@ -42,9 +41,6 @@ from shardwise.errors import ShardwiseError
 
 class ShardParam(ShardPiece, nn.Parameter):
     """A sharded parameter: this rank's 1-D piece (see the module docstring)."""
-
-    _flat_group = None  # weakref to the FlatGroup whose shard it views (absent on copies)
-    _index = 0  # its index in that group's shard_params
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -73,14 +69,12 @@ class ShardParam(ShardPiece, nn.Parameter):
 _FOREACH_TYPES.append(ShardParam)
 
 
-def make_shard_param(data: torch.Tensor, key: int, requires_grad: bool, group=None, index: int = 0) -> ShardParam:
-    """A ``ShardParam`` over ``data``; ``key`` is its shard group's (0: a group of one rank, whole tensors);
-    ``group`` the FlatGroup that hands out its gradients, ``index`` its place there."""
+def make_shard_param(data: torch.Tensor, key: int, requires_grad: bool) -> ShardParam:
+    """A ``ShardParam`` over ``data``; ``key`` is its shard group's (0: a group of one rank, whole tensors).
+    ``logical_shapes.register`` then tells it its FlatGroup (``where_of``), which hands out its gradients."""
     register_foreach_types()
     p = ShardParam(data, requires_grad=requires_grad)
     p._shard_key = key
-    if group is not None:
-        p._flat_group, p._index = weakref.ref(group), index
     return p
 
 
@@ -99,11 +93,11 @@ def _route(args):
     for a in args:
         if isinstance(a, (list, tuple)):
             a = type(a)(_route(a)) if any(isinstance(t, ShardParam) for t in a) else a
-        elif isinstance(a, ShardParam) and a._flat_group is not None:
+        elif isinstance(a, ShardParam) and where_of(a) is not None:
             with local_only():
                 if a.requires_grad:
-                    a = as_piece(_DirectGrad.apply(a._flat_group().grad_anchor, a.detach(), a._flat_group, a._index),
-                                 a._shard_key, ShardPiece)
+                    group, index = where_of(a)
+                    a = as_piece(_DirectGrad.apply(group.grad_anchor, a.detach(), group, index), a._shard_key, ShardPiece)
         out.append(a)
     return out
 
@@ -112,20 +106,19 @@ class _DirectGrad(torch.autograd.Function):
     """Identity from a group's anchor to a parameter's piece; its gradient goes to the group (see the Note)."""
 
     @staticmethod
-    def forward(ctx, anchor, piece, group_ref, index):
-        ctx.group_ref, ctx.index = group_ref, index
+    def forward(ctx, anchor, piece, group, index):
+        ctx.group, ctx.index = group, index
         return piece.view_as(piece)
 
     @staticmethod
     def backward(ctx, grad):
-        group = ctx.group_ref()
-        if group is not None and grad is not None:
-            group.direct.add(ctx.index, grad)
+        if grad is not None:
+            ctx.group.direct.add(ctx.index, grad)
         return None, None, None, None
 
 
 def _engine_params(tensors) -> list:
-    return [t for t in tensors if isinstance(t, ShardParam) and t._flat_group is not None]
+    return [t for t in tensors if isinstance(t, ShardParam) and where_of(t) is not None]
 
 
 def _listed(inputs) -> list:
@@ -149,7 +142,7 @@ def _autograd_grad(outputs, inputs, *args, **kwargs):
 def _autograd_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None, **kwargs):
     inputs = _listed(inputs)
     params = _engine_params(inputs)
-    groups = list({id(g): g for g in (p._flat_group() for p in params) if g is not None}.values())
+    groups = list({id(g): g for g, _ in map(where_of, params)}.values())
     chosen = {id(p) for p in params}
     for g in groups:
         left_out = [s.fqn for s, p in zip(g.plan.params, g.shard_params) if p.requires_grad and id(p) not in chosen]
