@@ -50,6 +50,12 @@ class DirectGrads:
         if not self.pending:
             return
         pending, self.pending = self.pending, {}
+        consumer = group.transfers.consumer if group.transfers is not None else None
+        if consumer is not None and consumer.steps_in_backward:
+            raise ShardwiseError(
+                f"a gradient reached parameter {group.plan.params[min(pending)].fqn!r} directly (a penalty computed "
+                f"from the parameter itself after shard()) while shardwise.offload_optimizer steps each unit during "
+                f"backward: the step ran without it; compute the penalty inside the model's forward")
         for i in pending:
             p = group.shard_params[i]
             if tensor_hooks(p) or post_accumulate_grad_hooks(p):

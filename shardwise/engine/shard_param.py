@@ -49,8 +49,13 @@ class ShardParam(ShardPiece, nn.Parameter):
         if handler is not None:
             return handler(*args, **kwargs)
         if func in _DIFFERENTIABLE and torch.is_grad_enabled():
-            args, kwargs = _route(args), {k: _route(v) if isinstance(v, (list, tuple)) else v for k, v in kwargs.items()}
+            args, kwargs = _route(args), dict(zip(kwargs, _route(kwargs.values())))
         return super().__torch_function__(func, types, args, kwargs)
+
+    def __repr__(self):
+        with local_only():
+            return (f"ShardParam (this rank's piece of a sharded parameter) containing:\n"
+                    f"{self.detach()!r}, requires_grad={self.requires_grad}")
 
     def __reduce_ex__(self, proto):
         # Pickled as a plain nn.Parameter holding the local piece (its process group does not travel).
@@ -84,7 +89,9 @@ def make_shard_param(data: torch.Tensor, key: int, requires_grad: bool) -> Shard
 # hooks before the reduced gradient arrives, and bump the version of a ``no_sync`` accumulation's gradients.
 # So the parameter enters the graph as ``_DirectGrad`` of its group's anchor instead: the same memory, and a
 # backward that hands the gradient to the group, which adds it to ``p.grad`` at the end of backward
-# (``FlatGroup.hand_out_direct_grads``), the one writer of shard gradients.
+# (``direct_grads.DirectGrads.hand_out``), the one writer of shard gradients. Functions outside the table
+# (indexing, matmul) still reach the parameter's own AccumulateGrad: that gradient is this rank's too, and
+# the hand-out makes ``p.grad`` a piece again.
 _DIFFERENTIABLE = (set(_EXACT) | _FOLLOWS_PIECE) - {torch.Tensor.detach, torch.Tensor.data.__get__}
 
 
@@ -151,9 +158,10 @@ def _autograd_backward(tensors, grad_tensors=None, retain_graph=None, create_gra
                 f"backward(inputs=...) names some parameters of a sharded flat group but not {left_out[0]!r} "
                 f"(unit {g.plan.unit_fqn or '<root>'!r}): a group's gradient is reduced and handed out as one; "
                 f"name every trainable parameter of the model (or call loss.backward()), or freeze the others")
-    frozen = [p for p in params if not p.requires_grad]
+    frozen = [where_of(p) for p in params if not p.requires_grad]
     if frozen:
-        raise ShardwiseError("backward(inputs=...) names a sharded parameter that does not require grad")
+        g, i = frozen[0]
+        raise ShardwiseError(f"backward(inputs=...) names parameter {g.plan.params[i].fqn!r}, which does not require grad")
     with local_only():
         # Each parameter as the gradient edge of its AccumulateGrad node (a penalty that reaches it directly),
         # plus each group's anchor: the unit's reduction runs, as in loss.backward().
