@@ -232,7 +232,7 @@ def mask_hook(p):  # a fixed mask in the parameter's full shape (pruning, frozen
     return lambda g: g * mask
 
 
-def post_accumulate_hooks(ctx: Ctx, batches):  # optimizer in backward, one SGD per parameter
+def post_accumulate_hooks(ctx: Ctx, batches, penalty=None):  # optimizer in backward, one SGD per parameter
     opts = {p: sgd([p]) for p in ctx.params()}
     def step_now(q):
         opts[q].step()
@@ -241,7 +241,7 @@ def post_accumulate_hooks(ctx: Ctx, batches):  # optimizer in backward, one SGD 
     for p in ctx.params():
         p.register_post_accumulate_grad_hook(step_now)
     for batch in batches:
-        ctx.loss(batch).backward()
+        (ctx.loss(batch) + (0.05 * penalty(ctx.params()) if penalty else 0.0)).backward()
 
 
 def weight_norms(ctx: Ctx):  # weight-norm logging, grad mode on as in a plain training loop
@@ -422,6 +422,8 @@ ROWS = [
     Row("penalty from p.abs().max() (a maximum across ranks)",
         penalised(lambda ps: sum(p.abs().max() for p in ps)), sharded_only("backward through Tensor.max")),
     Row("L2 penalty by hand with a tensor hook", hooked(False, clamp_hook, penalty=l2), "has a tensor hook or a post"),
+    Row("L2 penalty by hand with post-accumulate-grad hooks", lambda ctx, b: post_accumulate_hooks(ctx, b, penalty=l2),
+        "has a tensor hook or a post"),
     Row("loss.backward(inputs=all parameters)", backward_with_inputs(list)),
     Row("torch.autograd.backward(loss, inputs=all parameters)", backward_with_inputs(list, functional=True)),
     Row("loss.backward(inputs=some parameters)", backward_with_inputs(lambda ps: ps[:3]),
