@@ -57,7 +57,8 @@ from shardwise.engine import collectives, flags, watchdog
 from shardwise.errors import ShardwiseError
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast_buffers", "clip_grad_norm", "state_dict",
-       "summon_full_params", "checkpoint", "kept_copy_agreement")
+       "summon_full_params", "checkpoint", "kept_copy_agreement", "grad_reduction",
+       "optimizer_state_check")
 MODEL = 256**3 - 1  # the unit field of a collective that belongs to the model as a whole, not to one unit
 PHASES = ("idle", "forward", "backward")
 
@@ -223,6 +224,8 @@ class CollectiveChecker:
     def _describe(self, v: Sequence[int]) -> str:
         seq, op, unit, group, numel, phase = v
         what = OPS[op] if 0 <= op < len(OPS) else f"operation #{op}"
+        if what == "grad_reduction":  # shard_grad._combine: user code reducing over sharded gradients
+            what = "grad_reduction (p.grad.norm(), .sum(), clip_grad_norm_, GradScaler: every rank must call it)"
         phase_name = PHASES[phase] if 0 <= phase < len(PHASES) else f"phase #{phase}"
         if unit == MODEL:
             return f"{what} of the model ({numel} elements, {phase_name}, call {seq})"
@@ -291,6 +294,8 @@ def _diagnose(rings: dict[int, dict]) -> tuple[str | None, list[str]]:
         if found is None and len(full) == len(per_rank) and len(per_rank) > 1:
             logs = {r: v["log"] for r, v in per_rank.items()}
             found = c.first_difference(logs) if _definite(logs) else None
+        if found is None and len(per_rank) > 1:
+            found = _ring_difference(c, per_rank)
         latest = {r: v["ring"][-1] for r, v in per_rank.items() if v["ring"]}
         if len({v[0] for v in latest.values()}) > 1:  # who is behind: the ranks with the fewest calls
             low = min(v[0] for v in latest.values())
@@ -302,6 +307,22 @@ def _diagnose(rings: dict[int, dict]) -> tuple[str | None, list[str]]:
             if last:
                 lines.append(f"rank {r}'s last collectives: " + "; ".join(c._describe(v) for v in last))
     return found, lines
+
+
+def _ring_difference(checker: CollectiveChecker, per_rank: dict[int, dict]) -> str | None:
+    """The disagreement the rings prove where the logs cannot (in-band collectives are never logged): two
+    ranks whose rings hold the same call number with different fingerprints parted there. A rank whose
+    ring ends before that call has not issued it; one whose ring starts after it is left out."""
+    by_call: dict[int, dict[int, tuple]] = {}
+    for r, v in per_rank.items():
+        for row in v["ring"]:
+            by_call.setdefault(row[0], {})[r] = tuple(row)
+    for seq in sorted(by_call):
+        at = by_call[seq]
+        if len(set(at.values())) > 1:
+            rows = {r: at.get(r) for r, v in per_rank.items() if r in at or not v["ring"] or v["ring"][-1][0] < seq}
+            return checker._disagreement(rows)
+    return None
 
 
 def _definite(logs: dict[int, list]) -> bool:

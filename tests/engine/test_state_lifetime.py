@@ -336,7 +336,7 @@ def _batchnorm_is_ddp(rank, world):
     base = WithNorm()
     ddp = DDP(copy.deepcopy(base))
     model = shardwise.shard(copy.deepcopy(base), units={nn.Linear})
-    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(12, 6, generator=torch.Generator().manual_seed(5))  # divides by 2 and 3
     mine = local_slice(x, rank, world)
     for net in (ddp, model):
         opt = _sgd(net.parameters())
@@ -367,27 +367,33 @@ def llama_dir(tmp_path_factory):
     return hf_dirs.make_model_dir(str(tmp_path_factory.mktemp("hf") / "llama"), "llama", tokenizer=False)
 
 
+# World size 2 by default; 3 (uneven pieces: a rank's piece of a parameter may be shorter or empty) under -m slow.
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)])
+def world(request):
+    return request.param
+
+
 @spawn_once
 def _report(world: int, directory: str) -> list:
     return run_distributed(_worker, world, directory)
 
 
-def test_zero_grad_drops_the_no_sync_accumulation_under_every_strategy(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_zero_grad_drops_the_no_sync_accumulation_under_every_strategy(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         errs = scenario(rank_report, "no_sync_dropped")
         assert all(e < 1e-6 for e in errs.values()), errs
 
 
-def test_kept_parameters_follow_every_write_to_the_shards(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_kept_parameters_follow_every_write_to_the_shards(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         seen = scenario(rank_report, "kept_copy_writes")
         for strategy in KEPT:
             for when, (got, want) in enumerate(zip(seen[strategy], seen["full_shard"])):
                 assert torch.equal(got, want), (strategy, ["after a step", "after p.data", "after rank 0", "after summon writeback"][when])
 
 
-def test_load_pretrained_after_a_forward_is_used_under_zero1_and_zero2(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_load_pretrained_after_a_forward_is_used_under_zero1_and_zero2(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         seen = scenario(rank_report, "load_pretrained_after_forward")
         want_before, want_after = seen["full_shard"]
         assert not torch.equal(want_before, want_after)  # the load changed the weights
@@ -395,13 +401,13 @@ def test_load_pretrained_after_a_forward_is_used_under_zero1_and_zero2(llama_dir
             assert torch.equal(seen[strategy][1], want_after), strategy
 
 
-def test_two_forwards_before_a_backward_keep_a_broadcast_buffer_saved_for_backward(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_two_forwards_before_a_backward_keep_a_broadcast_buffer_saved_for_backward(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         assert scenario(rank_report, "buffer_saved_for_backward")["err"] < 1e-6
 
 
-def test_deepcopy_nested_shard_and_one_rank_writeback_are_refused_by_name(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_deepcopy_nested_shard_and_one_rank_writeback_are_refused_by_name(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         out = scenario(rank_report, "refusals")
         assert out["deepcopy"].startswith("copy.deepcopy() of a sharded model"), out
         assert "submodule 'blocks.0'" in out["nested"] and "already sharded" in out["nested"], out
@@ -409,33 +415,33 @@ def test_deepcopy_nested_shard_and_one_rank_writeback_are_refused_by_name(llama_
         assert torch.equal(out["lm_head"], out["lm_head_ref"])  # the common edit kept, the one-rank one refused
 
 
-def test_a_checkpoint_with_a_frozen_base_saves_parameters_unfrozen_after_shard(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_a_checkpoint_with_a_frozen_base_saves_parameters_unfrozen_after_shard(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         assert scenario(rank_report, "unfrozen_after_shard")["restored"]
 
 
-def test_cpu_offload_keeps_a_users_reference_to_last_steps_grad(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_cpu_offload_keeps_a_users_reference_to_last_steps_grad(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         assert scenario(rank_report, "offload_grad_kept")["kept"]
 
 
-def test_offload_optimizer_passes_muons_arguments_and_pairs_groups_by_parameters(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_offload_optimizer_passes_muons_arguments_and_pairs_groups_by_parameters(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         assert scenario(rank_report, "offload_muon_kwargs")["err"] < 1e-6
 
 
-def test_native_collectives_a_no_grad_forward_that_parts_raises_before_returning(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_native_collectives_a_no_grad_forward_that_parts_raises_before_returning(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         outcome = scenario(rank_report, "native_no_grad_divergence")["outcome"]
         assert outcome != "returned" and "disagree" in outcome, outcome
 
 
-def test_native_collectives_offload_optimizer_steps_only_after_the_compare(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_native_collectives_offload_optimizer_steps_only_after_the_compare(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         out = scenario(rank_report, "native_offload_steps_after_compare")
         assert out["moved_in_backward"] is False and out["err"] < 1e-6, out
 
 
-def test_batchnorm_trains_with_per_rank_batch_statistics_as_ddp_does(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_batchnorm_trains_with_per_rank_batch_statistics_as_ddp_does(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         assert scenario(rank_report, "batchnorm_is_ddp")["err"] < 1e-6
