@@ -21,16 +21,20 @@ Two ways to carry the fingerprint:
   reports). The ranks compare in one tiny all-gather of (call count, hash, log length) on a dedicated gloo
   group, on the CPU, at *compare points*: the first out-of-band collective of every phase (a forward, a
   backward, a call outside steps: the compare includes that collective and comes before it is issued), at
-  the end of backward after the last reduce-scatter's wait (so no gradient reaches an optimizer before
-  the ranks agreed, a post-accumulate-grad hook included), and at every ``check_now``. That is three
-  exchanges per training step whatever the number of units, where a per-collective exchange made ~240
-  CPU barriers a step for an 80-layer model. Only when the hashes differ (the rare path) do the ranks
+  the end of every forward, with or without grad (before its outputs reach the caller: a forward under
+  grad need not be followed by a backward), at the end of backward after the last reduce-scatter's wait
+  (so no gradient reaches an optimizer before the ranks agreed, a post-accumulate-grad hook included),
+  and at every ``check_now``. That is four exchanges per training step whatever the number of units,
+  where a per-collective exchange made ~240 CPU barriers a step for an 80-layer model. Only when the hashes differ (the rare path) do the ranks
   exchange their logs and every rank raises the same error naming the first collective where they part.
   Ranks that part *between* compare points may meet in mismatched native collectives: same sizes
   complete with mixed data (caught at the next compare, before any optimizer step), others hang, and a
   hang is the stall watchdog's (watchdog.py): after ``watchdog.PROBE_S`` seconds in a wait it has every
-  rank post its log to the c10d store and, if they show ranks that parted, every waiting rank raises the
-  same disagreement; else it reports who is behind at the stall threshold. gloo's native collectives
+  rank post its log and its ring to the c10d store and, if they show ranks that parted (two logs, or two
+  rings, holding different fingerprints for the same call), every waiting rank raises the same
+  disagreement; else it reports who is behind at the stall threshold. The rings are what names a
+  ``check_now`` made by one rank alone while the others gather in band (``if rank == 0:
+  print(p.grad.norm())`` under gloo's default): in-band fingerprints are never logged. gloo's native collectives
   abort the process outright when the *sizes* differ ("Received data size doesn't match"); two ranks
   calling units of different sizes at a compare point are named before that can happen.
 
@@ -141,7 +145,8 @@ class CollectiveChecker:
         state dicts, checkpoint agreement). Blocking, and on the side group whose exchange has the same size
         whatever each rank is about to do: two ranks calling different collectives of different sizes would
         otherwise meet in one collective that gloo aborts ("Received data size doesn't match") before any
-        fingerprint could be read. One tiny exchange per call; these calls are rare (at most once a step)."""
+        fingerprint could be read. One tiny exchange per call; these calls are rare (a few a step at most:
+        clipping, a GradScaler's inf check, a logged gradient norm)."""
         if self.group is None:
             return
         values = self._fingerprint(op, unit, group, numel)

@@ -40,8 +40,8 @@ Threshold, ``SHARDWISE_STALL_S``:
 Every rank's line also carries its recent collectives (``fingerprint._rings``: the last ``RING``
 fingerprints, and the out-of-band log not yet compared), read by the watchdog thread only when a report is
 made: the report shows each rank's last few collectives, names the ranks that are behind (fewest calls),
-and if the logs show two ranks that sent different fingerprints for the same call, the verdict is to raise
-that disagreement, whatever the threshold. Under native collectives (out-of-band logs pending) a wait
+and if the logs (or the rings, which also hold in-band fingerprints) show two ranks that sent different
+fingerprints for the same call, the verdict is to raise that disagreement, whatever the threshold. Under native collectives (out-of-band logs pending) a wait
 longer than ``PROBE_S`` starts a *quiet probe* (at most one per ``PROBE_EVERY_S`` per rank): the same
 exchange, printed and raised only if it proves a disagreement, so ranks that parted between two compare
 points and hang are named within seconds instead of at the stall threshold.

@@ -8,8 +8,8 @@ causes 2 and 3). One spawn per world size runs every scenario (``run_scenarios``
   the ranks agree on refilling them: outputs equal full_shard's.
 * Buffer broadcast does not write a buffer that already holds rank 0's values: two forwards before one
   backward with a buffer saved for backward work as in plain torch.
-* Under native collectives (NCCL's, selectable on gloo) a forward without grad compares the ranks'
-  collectives before returning, and offload_optimizer steps units only after backward's compare.
+* Under native collectives (NCCL's, selectable on gloo) every forward, with or without grad, compares the
+  ranks' collectives before returning, and offload_optimizer steps units only after backward's compare.
 * BatchNorm trains with each rank's own batch statistics, as under DDP (compared with torch DDP).
 * ``copy.deepcopy`` of a sharded model, ``shard()`` of a model with a sharded submodule and a
   ``summon_full_params(writeback=True)`` edit made on one rank only are refused by name.
@@ -294,6 +294,25 @@ def _native_no_grad_divergence(rank, world):
                 return {"outcome": str(e)}
 
 
+def _native_grad_forward_divergence(rank, world):
+    """Under native collectives a forward *with* grad that no backward follows (a metric under grad, then
+    zero_grad()) and whose ranks part after its first collective raises on every rank before returning:
+    its outputs never reach the user's numbers or an optimizer unchecked."""
+    with _NativeCollectives():
+        torch.manual_seed(0)
+        model = shardwise.shard(_Ordered(), units={nn.Linear}, prefetch=False)
+        opt = _sgd(model.parameters())
+        x = torch.randn(4, 8)
+        model(x).sum().backward()  # agreed: a healthy step first
+        opt.step()
+        opt.zero_grad()
+        try:
+            out = model(x, order=(0, 1, 2) if rank == 0 else (0, 2, 1))
+            return {"outcome": "returned", "requires_grad": out.requires_grad}
+        except shardwise.ShardwiseError as e:
+            return {"outcome": str(e)}
+
+
 def _native_offload_steps_after_compare(rank, world):
     """Under native collectives offload_optimizer steps no unit during backward (its collectives are
     compared only at backward's end); optimizer.step() steps them, and training equals the run without
@@ -353,6 +372,7 @@ def _scenarios(directory):
             "buffer_saved_for_backward": _buffer_saved_for_backward, "refusals": _refusals,
             "load_pretrained_after_forward": lambda r, w: _load_pretrained_after_forward(r, w, directory),
             "native_no_grad_divergence": _native_no_grad_divergence,
+            "native_grad_forward_divergence": _native_grad_forward_divergence,
             "native_offload_steps_after_compare": _native_offload_steps_after_compare,
             "offload_grad_kept": _offload_grad_kept, "batchnorm_is_ddp": _batchnorm_is_ddp, "offload_muon_kwargs": _offload_muon_kwargs,
             "unfrozen_after_shard": lambda r, w: _unfrozen_after_shard_is_saved(r, w, directory + "-ckpt")}
@@ -434,6 +454,13 @@ def test_native_collectives_a_no_grad_forward_that_parts_raises_before_returning
     for rank_report in _report(world, llama_dir):
         outcome = scenario(rank_report, "native_no_grad_divergence")["outcome"]
         assert outcome != "returned" and "disagree" in outcome, outcome
+
+
+def test_native_collectives_a_forward_under_grad_that_parts_raises_before_returning(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
+        outcome = scenario(rank_report, "native_grad_forward_divergence")["outcome"]
+        assert outcome != "returned" and "disagree" in outcome, outcome
+        assert "all_gather of unit 'blocks.1'" in outcome and "all_gather of unit 'blocks.2'" in outcome, outcome
 
 
 def test_native_collectives_offload_optimizer_steps_only_after_the_compare(llama_dir, world):
