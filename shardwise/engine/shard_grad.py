@@ -39,22 +39,30 @@ import torch.distributed as dist
 from shardwise.engine import collectives
 from shardwise.errors import ShardwiseError
 
-# key -> (shard process group, device its collectives run on, weak reference to the model's
-# fingerprint.CollectiveChecker or None); a key, not the group, rides on each tensor: tensors get
-# deep-copied and pickled, process groups cannot be.
+# key -> (shard process group, device its collectives run on); a key, not the group, rides on each tensor:
+# tensors get deep-copied and pickled, process groups cannot be.
 _GROUPS: dict[int, tuple] = {}
+# key -> weak reference to the fingerprint.CollectiveChecker of the model whose gradients carry the key.
+_CHECKERS: dict[int, weakref.ref] = {}
 
 
 def register_group(group: dist.ProcessGroup, device: torch.device, checker=None) -> int:
     """The key under which gradient pieces of ``group`` find it (one key per process group, device and
     model checker: ``checker`` fingerprints the reductions, see ``_combine``)."""
-    for key, (g, d, c) in _GROUPS.items():
-        if g is group and d == device and (c() if c is not None else None) is checker:
+    for key, (g, d) in _GROUPS.items():
+        if g is group and d == device and _checker(key) is checker:
             return key
     key = len(_GROUPS) + 1
-    _GROUPS[key] = (group, device, weakref.ref(checker) if checker is not None else None)
+    _GROUPS[key] = (group, device)
+    if checker is not None:
+        _CHECKERS[key] = weakref.ref(checker)
     _register_foreach_type()
     return key
+
+
+def _checker(key: int):
+    ref = _CHECKERS.get(key)
+    return ref() if ref is not None else None
 
 
 def as_shard_grad(piece: torch.Tensor, key: int) -> torch.Tensor:
@@ -136,8 +144,8 @@ def _combine(values: torch.Tensor, key: int, how: str, what: str) -> torch.Tenso
     reduction goes through here. The call is user code's, outside the unit schedule, so the ranks agree on
     it first (``check_now``, on the side group whatever each rank does next): a rank calling alone meets
     the others' next compare, or the stall watchdog's probe, and every rank raises the disagreement."""
-    group, device, checker_ref = _group(key)
-    checker = checker_ref() if checker_ref is not None else None
+    group, device = _group(key)
+    checker = _checker(key)
     if checker is not None:
         checker.check_now("grad_reduction", values.numel(), group=_HOW.index(how))
     buf = values.to(device=device, dtype=torch.float64 if values.dtype == torch.float64 else torch.float32)
