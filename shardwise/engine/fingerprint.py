@@ -25,8 +25,9 @@ Two ways to carry the fingerprint:
   grad need not be followed by a backward), at the end of backward after the last reduce-scatter's wait
   (so no gradient reaches an optimizer before the ranks agreed, a post-accumulate-grad hook included),
   and at every ``check_now``. That is four exchanges per training step whatever the number of units,
-  where a per-collective exchange made ~240 CPU barriers a step for an 80-layer model. Only when the hashes differ (the rare path) do the ranks
-  exchange their logs and every rank raises the same error naming the first collective where they part.
+  where a per-collective exchange made ~240 CPU barriers a step for an 80-layer model. Only when the
+  hashes differ (the rare path) do the ranks exchange their logs and every rank raises the same error
+  naming the first collective where they part.
   Ranks that part *between* compare points may meet in mismatched native collectives: same sizes
   complete with mixed data (caught at the next compare, before any optimizer step), others hang, and a
   hang is the stall watchdog's (watchdog.py): after ``watchdog.PROBE_S`` seconds in a wait it has every
@@ -34,8 +35,8 @@ Two ways to carry the fingerprint:
   rings, holding different fingerprints for the same call), every waiting rank raises the same
   disagreement; else it reports who is behind at the stall threshold. The rings are what names a
   ``check_now`` made by one rank alone while the others gather in band (``if rank == 0:
-  print(p.grad.norm())`` under gloo's default): in-band fingerprints are never logged. gloo's native collectives
-  abort the process outright when the *sizes* differ ("Received data size doesn't match"); two ranks
+  print(p.grad.norm())`` under gloo's default): in-band fingerprints are never logged. gloo's native
+  collectives abort the process outright when the *sizes* differ ("Received data size doesn't match"); two ranks
   calling units of different sizes at a compare point are named before that can happen.
 
 Either way, mixed-up data never reaches the weights: an in-band table is checked before the collective's
@@ -325,7 +326,8 @@ def _ring_difference(checker: CollectiveChecker, per_rank: dict[int, dict]) -> s
     for seq in sorted(by_call):
         at = by_call[seq]
         if len(set(at.values())) > 1:
-            rows = {r: at.get(r) for r, v in per_rank.items() if r in at or not v["ring"] or v["ring"][-1][0] < seq}
+            rows = {r: at.get(r) for r, v in per_rank.items()
+                    if r in at or not v["ring"] or v["ring"][-1][0] < seq}
             return checker._disagreement(rows)
     return None
 

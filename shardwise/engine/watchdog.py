@@ -41,10 +41,11 @@ Every rank's line also carries its recent collectives (``fingerprint._rings``: t
 fingerprints, and the out-of-band log not yet compared), read by the watchdog thread only when a report is
 made: the report shows each rank's last few collectives, names the ranks that are behind (fewest calls),
 and if the logs (or the rings, which also hold in-band fingerprints) show two ranks that sent different
-fingerprints for the same call, the verdict is to raise that disagreement, whatever the threshold. Under native collectives (out-of-band logs pending) a wait
-longer than ``PROBE_S`` starts a *quiet probe* (at most one per ``PROBE_EVERY_S`` per rank): the same
-exchange, printed and raised only if it proves a disagreement, so ranks that parted between two compare
-points and hang are named within seconds instead of at the stall threshold.
+fingerprints for the same call, the verdict is to raise that disagreement, whatever the threshold. Under
+native collectives, or with a ``check_now`` pending (out-of-band logs not yet compared), a wait longer
+than ``PROBE_S`` starts a *quiet probe* (at most one per ``PROBE_EVERY_S`` per rank): the same exchange,
+printed and raised only if it proves a disagreement, so ranks that parted between two compare points and
+hang are named within seconds instead of at the stall threshold.
 
 The verdict is also *report only* when every rank is waiting in the same collective: that one is slow,
 not out of step. Without a store (``_default_store`` below) the report is this rank's own line only.
@@ -390,7 +391,7 @@ class _Watchdog:
                 report = self.collect(store, cur, rank, world, thr, may_raise, quiet=probe)
                 store.set(f"{_KEY}/{cur}/report", json.dumps(report))
                 if report["raise"]:
-                    time.sleep(0.5)  # before this rank raises (and exits, maybe with the store): let the others read it
+                    time.sleep(0.5)  # before this rank raises (and exits, maybe with the store): others read it
             else:
                 report = self.receive(store, cur, rank, line)
             if report.get("quiet"):

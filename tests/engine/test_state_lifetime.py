@@ -278,39 +278,21 @@ class _NativeCollectives:
         collectives._use_all_reduce_cache.clear()
 
 
-def _native_no_grad_divergence(rank, world):
-    """Under native collectives a forward without grad whose ranks part after its first collective (same
-    sizes, other units) raises on every rank before returning mixed outputs."""
+def _native_forward_divergence(rank, world, grad):
+    """Under native collectives a forward whose ranks part after its first collective (same sizes, other
+    units) raises on every rank before returning mixed outputs: without grad (eval, generate), and with
+    grad where no backward follows (a metric computed under grad, then zero_grad())."""
     with _NativeCollectives():
         torch.manual_seed(0)
         model = shardwise.shard(_Ordered(), units={nn.Linear}, prefetch=False)  # the order as called
         x = torch.randn(4, 8)
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             model(x)  # agreed: same order everywhere
             try:
                 model(x, order=(0, 1, 2) if rank == 0 else (0, 2, 1))
                 return {"outcome": "returned"}
             except shardwise.ShardwiseError as e:
                 return {"outcome": str(e)}
-
-
-def _native_grad_forward_divergence(rank, world):
-    """Under native collectives a forward *with* grad that no backward follows (a metric under grad, then
-    zero_grad()) and whose ranks part after its first collective raises on every rank before returning:
-    its outputs never reach the user's numbers or an optimizer unchecked."""
-    with _NativeCollectives():
-        torch.manual_seed(0)
-        model = shardwise.shard(_Ordered(), units={nn.Linear}, prefetch=False)
-        opt = _sgd(model.parameters())
-        x = torch.randn(4, 8)
-        model(x).sum().backward()  # agreed: a healthy step first
-        opt.step()
-        opt.zero_grad()
-        try:
-            out = model(x, order=(0, 1, 2) if rank == 0 else (0, 2, 1))
-            return {"outcome": "returned", "requires_grad": out.requires_grad}
-        except shardwise.ShardwiseError as e:
-            return {"outcome": str(e)}
 
 
 def _native_offload_steps_after_compare(rank, world):
@@ -371,8 +353,8 @@ def _scenarios(directory):
     return {"no_sync_dropped": _no_sync_dropped, "kept_copy_writes": _kept_copy_writes,
             "buffer_saved_for_backward": _buffer_saved_for_backward, "refusals": _refusals,
             "load_pretrained_after_forward": lambda r, w: _load_pretrained_after_forward(r, w, directory),
-            "native_no_grad_divergence": _native_no_grad_divergence,
-            "native_grad_forward_divergence": _native_grad_forward_divergence,
+            "native_no_grad_divergence": lambda r, w: _native_forward_divergence(r, w, grad=False),
+            "native_grad_forward_divergence": lambda r, w: _native_forward_divergence(r, w, grad=True),
             "native_offload_steps_after_compare": _native_offload_steps_after_compare,
             "offload_grad_kept": _offload_grad_kept, "batchnorm_is_ddp": _batchnorm_is_ddp, "offload_muon_kwargs": _offload_muon_kwargs,
             "unfrozen_after_shard": lambda r, w: _unfrozen_after_shard_is_saved(r, w, directory + "-ckpt")}
@@ -450,15 +432,11 @@ def test_offload_optimizer_passes_muons_arguments_and_pairs_groups_by_parameters
         assert scenario(rank_report, "offload_muon_kwargs")["err"] < 1e-6
 
 
-def test_native_collectives_a_no_grad_forward_that_parts_raises_before_returning(llama_dir, world):
+@pytest.mark.parametrize("case", ["native_no_grad_divergence", "native_grad_forward_divergence"])
+def test_native_collectives_a_forward_that_parts_raises_before_returning_with_or_without_grad(llama_dir, world,
+                                                                                              case):
     for rank_report in _report(world, llama_dir):
-        outcome = scenario(rank_report, "native_no_grad_divergence")["outcome"]
-        assert outcome != "returned" and "disagree" in outcome, outcome
-
-
-def test_native_collectives_a_forward_under_grad_that_parts_raises_before_returning(llama_dir, world):
-    for rank_report in _report(world, llama_dir):
-        outcome = scenario(rank_report, "native_grad_forward_divergence")["outcome"]
+        outcome = scenario(rank_report, case)["outcome"]
         assert outcome != "returned" and "disagree" in outcome, outcome
         assert "all_gather of unit 'blocks.1'" in outcome and "all_gather of unit 'blocks.2'" in outcome, outcome
 
