@@ -16,19 +16,8 @@ MOE_TARGETS = ("q_proj", "v_proj")  # attention: a MoE model's experts are not L
 
 
 def moe_config(**overrides):
-    """A tiny Qwen3-MoE: 2 layers, 4 experts (top 2), every layer sparse."""
-    from transformers import Qwen3MoeConfig
-
-    kw = {"vocab_size": VOCAB, "hidden_size": 48, "intermediate_size": 72, "moe_intermediate_size": 40,
-          "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "head_dim": 12, "max_position_embeddings": 64, "tie_word_embeddings": False}
-    kw.update(overrides)
-    return Qwen3MoeConfig(**kw)
-
-
-def lm_loss(model, x, y):
-    logits = model(input_ids=x, use_cache=False).logits
-    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+    """hf_dirs' tiny Qwen3-MoE (2 layers, 4 experts, top 2)."""
+    return tiny_config("qwen3_moe", VOCAB, **overrides)
 
 
 def quantised_lora_model(family: str = "llama", seed: int = 0, targets=TARGETS, quant_type: str = "nf4",
@@ -42,8 +31,7 @@ def quantised_lora_model(family: str = "llama", seed: int = 0, targets=TARGETS, 
     from shardwise.quant.linear import QuantLinear, quantize_linears
 
     torch.manual_seed(seed)
-    config = moe_config(**config) if family == "qwen3_moe" else tiny_config(family, VOCAB, **config)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(tiny_config(family, VOCAB, **config), attn_implementation="sdpa")
     model.config.use_cache = False
     quantize_experts(model, quant_type=quant_type, double_quant=double_quant)
     quantize_linears(model, quant_type=quant_type, double_quant=double_quant)
