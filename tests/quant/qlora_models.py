@@ -15,6 +15,11 @@ TARGETS = ("q_proj", "v_proj", "down_proj")
 MOE_TARGETS = ("q_proj", "v_proj")  # attention: a MoE model's experts are not Linears
 
 
+def lm_loss(model, x, y):
+    logits = model(input_ids=x, use_cache=False).logits
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
 def moe_config(**overrides):
     """hf_dirs' tiny Qwen3-MoE (2 layers, 4 experts, top 2)."""
     return tiny_config("qwen3_moe", VOCAB, **overrides)
