@@ -12,7 +12,8 @@ Three steps, every rank alike:
 1. *Match* (no tensor data read): the files' tensor names are mapped to the model's as ``from_pretrained``
    maps them (transformers' own renaming rules: ``base_model_prefix`` stripped or added, legacy
    ``gamma``/``beta``, per-model renamings; see ``_hf_key_mapping``). A name that needs a weight *conversion*
-   (fusing experts, splitting qkv) is refused: that needs whole tensors. Each parameter must come from the
+   (fusing experts, splitting qkv) is refused: that needs whole tensors. (4-bit MoE experts keep the files'
+   per-expert layout, so their names need none: ``quantized_load``.) Each parameter must come from the
    file with the exact shape; a tied parameter (GPT-2's and Qwen2's ``lm_head``) from any one of its names.
    A missing parameter is an error naming it; file tensors the model has no place for are named in a warning,
    as ``from_pretrained`` does.
@@ -313,6 +314,11 @@ def _hf_key_mapping(hf: nn.Module, model_keys: set[str]) -> tuple[Callable[[str]
             renamed, pattern = rename_source_key(key, renamings, converters, prefix or None, present)
             if renamed not in present and key in present:  # as from_pretrained: the key needed no renaming
                 renamed, pattern = key, None
+            if pattern is not None:  # a model that keeps the files' layout (4-bit MoE experts) needs no conversion
+                kept = key
+                for renaming in renamings:
+                    kept = renaming.rename_source_key(kept)[0]
+                renamed, pattern = (kept, None) if kept in present else (renamed, pattern)
             if pattern is not None:
                 raise ShardwiseError(f"tensor {key!r} needs transformers' weight conversion {pattern!r} (fusing or "
                                      f"splitting tensors) to load into {type(hf).__name__}; load_pretrained reads "

@@ -36,7 +36,7 @@ FILE_NAMES = {
     "Qwen3MoeExperts": ("gate_proj", "up_proj", "down_proj"),
     "Qwen2MoeExperts": ("gate_proj", "up_proj", "down_proj"),
     "OlmoeExperts": ("gate_proj", "up_proj", "down_proj"),
-    "MixtralExperts": ("w1", "w3", "w2"),  # under ``block_sparse_moe`` in the files: loading refuses it
+    "MixtralExperts": ("w1", "w3", "w2"),  # files: ``block_sparse_moe.experts.{e}.w1.weight``
 }
 # What transformers' ``use_experts_implementation`` records about the fused layout; ours is only this one.
 LAYOUT_FLAGS = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,

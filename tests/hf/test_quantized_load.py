@@ -260,3 +260,28 @@ def test_a_per_expert_tensor_disagreeing_with_its_quant_state_is_refused(dirs, t
                                              rf"'{key}' is torch.uint8 \[29\], but the quant_state's shape \[40, 48\] "
                                              rf"needs 30 torch.uint8"):
         check_loadable(meta_quantised(shardwise.QuantSettings(), "qwen3_moe"), str(tmp_path))
+
+
+def test_mixtral_expert_files_match_its_4bit_experts_through_transformers_renaming(tmp_path):
+    """Mixtral's files name expert e's gate ``block_sparse_moe.experts.{e}.w1.weight`` (the model's module is
+    ``mlp.experts``): the 4-bit experts take them under transformers' renaming, without its fusing; kept in
+    high precision, they would need the fusing, which is refused naming the tensor."""
+    import shardwise
+    from shardwise.errors import ShardwiseError
+    from shardwise.hf.pretrained import check_loadable
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    config = MixtralConfig(vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+
+    def meta(skip):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        shardwise.quantize_model(model, shardwise.QuantSettings(skip_modules=skip))
+        return model
+
+    check_loadable(meta(("lm_head",)), str(tmp_path))
+    with pytest.raises(ShardwiseError, match=r"tensor 'model.layers.0.block_sparse_moe.experts.0.w\d.weight' needs "
+                                             r"transformers' weight conversion"):
+        check_loadable(meta(("lm_head", "experts")), str(tmp_path))
