@@ -5,9 +5,10 @@ matrix quantised on its own, dequantised one matrix at a time for the experts th
 Why one quantised matrix per expert and projection: transformers 5.24 + bitsandbytes leave fused experts in
 high precision (``BitsAndBytesConfig(load_in_4bit=True)`` swaps only ``nn.Linear``; the 3-D parameters load
 and save unquantised, under the per-expert names ``experts.{e}.gate_proj.weight`` that the checkpoints on the
-Hub use). Before transformers 5 these experts *were* ``nn.Linear`` modules, so "bnb-4bit" MoE checkpoints
-hold exactly this: one bitsandbytes 4-bit weight per expert and projection, with its own scales and double
-quantisation offset. Storing the same bytes lets such a checkpoint load by copy and a high-precision one be
+Hub use). Before transformers 5 these experts *were* ``nn.Linear`` modules (``Linear4bit`` under
+bitsandbytes), so a "bnb-4bit" MoE checkpoint saved then holds one bitsandbytes 4-bit weight per expert and
+projection, with its own scales and double quantisation offset (tests/hf/test_quantized_load.py writes one
+with bitsandbytes' own ``QuantState.as_dict``; no Hub file was read). Storing the same bytes lets such a checkpoint load by copy and a high-precision one be
 quantised per file tensor; and dequantising expert ``e`` reads row ``e`` of each stored tensor, nothing else.
 
 The forward is the one the supported families share (their eager experts loop, identical source in
