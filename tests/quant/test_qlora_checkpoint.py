@@ -1,0 +1,81 @@
+"""A QLoRA model's checkpoint (``shardwise.save_checkpoint`` with the 4-bit base stored in it) saved at 2 ranks
+loads at 3: every byte of the base (packed nibbles and scales, uint8 pieces re-cut at other boundaries) comes
+back exactly into a model whose own base held other bytes, and training continues on the same global batches
+equal to the run that was never interrupted: losses and every parameter to 1e-6 (the adapters' fp32 gradient
+sums run over 3 ranks instead of 2, so not bit for bit), with AdamW's state resharded."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from harness import run_distributed
+from parity_utils import global_mean, local_slice, make_batches, make_optimizer, rel_err
+from qlora_models import VOCAB, lm_loss, quantised_lora_model
+
+STEPS, SAVED_AT = 4, 2
+
+
+def _steps(model, opt, batches, rank, ws) -> list[float]:
+    losses = []
+    for x, y in batches:
+        loss = lm_loss(model, local_slice(x, rank, ws), local_slice(y, rank, ws))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(global_mean(loss))
+    return losses
+
+
+def _uint8_state(state: dict) -> dict:
+    return {k: v for k, v in state.items() if v.dtype == torch.uint8}
+
+
+def _save_then_go_on(rank, ws, root):
+    """The uninterrupted run (ws 2): a checkpoint after step 2, then steps 3 and 4."""
+    import shardwise
+
+    model = shardwise.shard(quantised_lora_model(seed=0), units="auto")
+    opt = make_optimizer("adamw", model.parameters())
+    batches = make_batches(STEPS, VOCAB)
+    _steps(model, opt, batches[:SAVED_AT], rank, ws)
+    shardwise.save_checkpoint(os.path.join(root, "ckpt"), model, opt, step=SAVED_AT)
+    losses = _steps(model, opt, batches[SAVED_AT:], rank, ws)
+    return losses, shardwise.full_state_dict(model)
+
+
+def _resume(rank, ws, root):
+    """The resumed run (ws 3): a model built from another seed (other base bytes, other adapters) loads the
+    checkpoint, then takes steps 3 and 4."""
+    import shardwise
+
+    model = shardwise.shard(quantised_lora_model(seed=1), units="auto")
+    opt = make_optimizer("adamw", model.parameters())
+    shardwise.load_checkpoint(os.path.join(root, "ckpt"), model, opt)
+    loaded = _uint8_state(shardwise.full_state_dict(model))
+    losses = _steps(model, opt, make_batches(STEPS, VOCAB)[SAVED_AT:], rank, ws)
+    return losses, shardwise.full_state_dict(model), loaded
+
+
+def test_a_qlora_checkpoint_saved_at_ws2_resumes_at_ws3_with_the_same_bytes_and_training(tmp_path):
+    unbroken_losses, unbroken = run_distributed(_save_then_go_on, 2, str(tmp_path), timeout_s=240)[0]
+    losses, resumed, loaded = run_distributed(_resume, 3, str(tmp_path), timeout_s=240)[0]
+
+    initial = quantised_lora_model(seed=0).state_dict()
+    original = _uint8_state(initial)
+    other = _uint8_state(quantised_lora_model(seed=1).state_dict())
+    assert original and sorted(loaded) == sorted(original)
+    assert all(torch.equal(loaded[k], original[k]) for k in original)
+    assert any(not torch.equal(other[k], original[k]) for k in original)  # the load really replaced bytes
+
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, unbroken_losses)) <= 1e-6, (losses, unbroken_losses)
+    assert sorted(resumed) == sorted(unbroken)
+    errors = {k: rel_err(resumed[k].double(), unbroken[k].double()) for k in unbroken}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 1e-6, (worst, errors[worst])
+    assert any(".lora_" in k and not torch.equal(resumed[k], initial[k]) for k in resumed)  # the adapters trained
