@@ -1,8 +1,8 @@
-"""A QLoRA model's checkpoint (``shardwise.save_checkpoint`` with the 4-bit base stored in it) saved at 2 ranks
-loads at 3: every byte of the base (packed nibbles and scales, uint8 pieces re-cut at other boundaries) comes
-back exactly into a model whose own base held other bytes, and training continues on the same global batches
+"""A QLoRA model's checkpoint (``shardwise.save_checkpoint`` with the 4-bit base stored in it) saved at 3
+ranks loads at 1 (and saved at 2 loads at 3, slow): every byte of the base (packed nibbles and scales, uint8
+pieces re-cut at other boundaries) comes back exactly into a model whose own base held other bytes, and training continues on the same global batches
 equal to the run that was never interrupted: losses and every parameter to 1e-6 (the adapters' fp32 gradient
-sums run over 3 ranks instead of 2, so not bit for bit), with AdamW's state resharded."""
+sums run over another number of ranks, so not bit for bit), with AdamW's state resharded."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _uint8_state(state: dict) -> dict:
 
 
 def _save_then_go_on(rank, ws, root):
-    """The uninterrupted run (ws 2): a checkpoint after step 2, then steps 3 and 4."""
+    """The uninterrupted run: a checkpoint after step 2, then steps 3 and 4."""
     import shardwise
 
     model = shardwise.shard(quantised_lora_model(seed=0), units="auto")
@@ -50,7 +50,7 @@ def _save_then_go_on(rank, ws, root):
 
 
 def _resume(rank, ws, root):
-    """The resumed run (ws 3): a model built from another seed (other base bytes, other adapters) loads the
+    """The resumed run (at another world size): a model built from another seed (other base bytes, other adapters) loads the
     checkpoint, then takes steps 3 and 4."""
     import shardwise
 
@@ -62,17 +62,29 @@ def _resume(rank, ws, root):
     return losses, shardwise.full_state_dict(model), loaded
 
 
-def test_a_qlora_checkpoint_saved_at_ws2_resumes_at_ws3_with_the_same_bytes_and_training(tmp_path):
-    unbroken_losses, unbroken = run_distributed(_save_then_go_on, 2, str(tmp_path), timeout_s=240)[0]
-    losses, resumed, loaded = run_distributed(_resume, 3, str(tmp_path), timeout_s=240)[0]
+def _in_this_process(fn, root):
+    """``fn`` at world size 1 in the test process (no spawn)."""
+    from shardwise.trainer.generate import one_process_group
+
+    with one_process_group():
+        return fn(0, 1, root)
+
+
+@pytest.mark.parametrize("saved_at,loaded_at", [(3, 1), pytest.param(2, 3, marks=pytest.mark.slow)])
+def test_a_qlora_checkpoint_resumes_at_another_world_size_with_the_same_bytes_and_training(tmp_path, saved_at,
+                                                                                            loaded_at):
+    root = str(tmp_path)
+    unbroken_losses, unbroken = run_distributed(_save_then_go_on, saved_at, root, timeout_s=240)[0]
+    losses, resumed, loaded = (_in_this_process(_resume, root) if loaded_at == 1 else
+                               run_distributed(_resume, loaded_at, root, timeout_s=240)[0])
 
     initial = quantised_lora_model(seed=0).state_dict()
-    original = _uint8_state(initial)
-    other = _uint8_state(quantised_lora_model(seed=1).state_dict())
+    original, other = _uint8_state(initial), _uint8_state(quantised_lora_model(seed=1).state_dict())
     assert original and sorted(loaded) == sorted(original)
     assert all(torch.equal(loaded[k], original[k]) for k in original)
     assert any(not torch.equal(other[k], original[k]) for k in original)  # the load really replaced bytes
 
+    # measured (ws 2 -> 3): losses 1.7e-8, worst parameter 7.0e-8 (an adapter)
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, unbroken_losses)) <= 1e-6, (losses, unbroken_losses)
     assert sorted(resumed) == sorted(unbroken)
     errors = {k: rel_err(resumed[k].double(), unbroken[k].double()) for k in unbroken}
