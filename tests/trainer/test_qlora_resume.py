@@ -225,7 +225,7 @@ def test_a_resume_over_a_changed_base_is_refused_before_launch_naming_the_option
 def test_generate_on_a_qlora_run_equals_one_process_through_the_same_quantised_model(runs, tmp_path):
     from shardwise.hf.export import export_checkpoint
     from shardwise.trainer import config as config_mod
-    from shardwise.trainer.generate import _hf_generator, generate_text, sample
+    from shardwise.trainer.generate import _hf_generator, from_run, generate_text, one_process_group, sample
     from shardwise.trainer.jsonl_data import tokenizer_dir
 
     root, model_dir, _, _ = runs
@@ -236,6 +236,12 @@ def test_generate_on_a_qlora_run_equals_one_process_through_the_same_quantised_m
     export_checkpoint(run, tmp_path / "adapter")  # the peft adapter directory of the run's last checkpoint
     gen = _hf_generator(_quantised_reference(model_dir, str(tmp_path / "adapter")), tokenizer_dir(model_dir), False,
                         "reference")
+    prompt = torch.tensor([gen.encode("The quick brown fox")])
+    with one_process_group(), torch.no_grad():
+        run_logits = from_run(run, "", False).logits(prompt)
+        without_adapters = _quantised_reference(model_dir)(input_ids=prompt).logits
+    torch.testing.assert_close(run_logits, gen.logits(prompt), rtol=1e-6, atol=1e-6)
+    assert (run_logits - without_adapters).abs().max() > 1e-3  # the adapters matter: the comparison can fail
     ids = sample(gen, gen.encode("The quick"), 8, 0.0, 0, seed=0)
     if ids and ids[-1] == gen.eos_token_id:
         ids = ids[:-1]
