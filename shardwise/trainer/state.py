@@ -138,14 +138,14 @@ def check_frozen_base(path: Path, frozen_base: Optional[dict]) -> None:
     """An adapter-only checkpoint resumes only over its own base, read again from ``--model DIR``: refuse,
     naming the option, a resume without that directory's weights or with other weights (``load_checkpoint``
     would refuse it too, without naming the trainer's options)."""
-    from shardwise.checkpoint.frozen_base import mismatch
+    from shardwise.checkpoint.frozen_base import mismatch, quantization_of
     from shardwise.checkpoint.verify import read_manifest
 
     saved = read_manifest(path).get("frozen_base")
     if saved is None or mismatch(saved, frozen_base, None) is None:
         return  # (a changed --lora-base-dtype is load_checkpoint's message: it names both dtypes)
     if frozen_base is None:
-        four_bit = " --load-in-4bit" if saved.get("quantization") else ""
+        four_bit = " --load-in-4bit" if quantization_of(saved) else ""
         raise ShardwiseError(f"{path}: an adapter-only LoRA checkpoint over the weights of {saved['source']}; "
                              f"resume it with --model {saved['source']} (a directory with those weights) and the "
                              f"run's --lora-*{four_bit} options")
@@ -153,7 +153,7 @@ def check_frozen_base(path: Path, frozen_base: Optional[dict]) -> None:
         raise ShardwiseError(f"--model {frozen_base['source']}: its weights (identity "
                              f"{frozen_base['weights_sha256'][:12]}...) are not the base {path} was trained over "
                              f"({saved['source']}, identity {saved['weights_sha256'][:12]}...)")
-    raise ShardwiseError(quantization_change(path, saved.get("quantization"), frozen_base.get("quantization")))
+    raise ShardwiseError(quantization_change(path, quantization_of(saved), quantization_of(frozen_base)))
 
 
 # A 4-bit base's recorded settings (``QuantSettings.to_dict``) and the options that set them.
