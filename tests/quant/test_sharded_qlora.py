@@ -3,12 +3,14 @@ engine's flat buffers, each rank holding ~1/N of them; every byte pattern comes 
 all-gather (bf16 NaN payloads included: the bitsandbytes#1945 failure) under bf16 mixed precision; the base
 gets no gradient and no optimizer state; and training the adapters at world sizes 1-4 equals one process
 running the same quantised model through the same dequantisation code (fp32 compute, 1e-6): SGD with
-momentum and AdamW, activation checkpointing with no_sync accumulation, shard_grad_op, and a tied-head
-model (Qwen2: lm_head tied to the embedding stays in high precision). With bf16 compute (fp32 reduce) it
+momentum and AdamW, activation checkpointing with no_sync accumulation, shard_grad_op, a tied-head model
+(Qwen2: lm_head tied to the embedding stays in high precision), and a MoE model (Qwen3-MoE, 4 experts, top
+2) whose fused experts are 4-bit QuantExperts: uint8 bytes split across the ranks, every expert byte held
+by exactly one rank, frozen, with LoRA on the attention projections. With bf16 compute (fp32 reduce) it
 equals, parameters bit for bit, a reference that rounds the same way: an fp32 master whose gradients come
-from a bf16 copy run on each rank's slice and summed in fp32 in rank order. Greedy ``generate()`` through the
-sharded QLoRA model equals the unsharded model's. (bf16 cases: SGD, AdamW with activation checkpointing,
-the tied-head Qwen2.) A checkpoint saved at ws ranks resumes at one with the same base bytes and training."""
+from a bf16 copy run on each rank's slice and summed in fp32 in rank order (SGD, AdamW with activation
+checkpointing, the tied-head Qwen2). Greedy ``generate()`` through the sharded QLoRA model equals the
+unsharded model's. A checkpoint saved at ws ranks resumes at one with the same base bytes and training."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from harness import run_distributed
 from parity_utils import (assert_parity, cast_step, gather_objects, global_mean, is_sharded, local_slice,
                           make_batches, make_optimizer, rel_err, run_scenarios, scenario, simple_step, spawn_once,
                           train_pair)
-from qlora_models import VOCAB, lm_loss, quantised_lora_model
+from qlora_models import MOE_TARGETS, VOCAB, lm_loss, quantised_lora_model
 
 STEPS = 3
 
@@ -191,6 +193,40 @@ def _bytes_and_frozen(rank, ws):
     return out
 
 
+def moe_model():
+    return quantised_lora_model("qwen3_moe", targets=MOE_TARGETS)
+
+
+def _moe_expert_bytes(rank, ws):
+    """Per rank, after a step of the sharded MoE model: its share of the experts' bytes and of all uint8
+    bytes, and that the experts are uint8, frozen and gradient-free, and only the adapters train."""
+    import shardwise
+    from shardwise.engine.runtime import runtime_of
+    from shardwise.quant.experts import QuantExperts
+
+    model = moe_model()
+    modules = [m for m in model.modules() if isinstance(m, QuantExperts)]
+    total_expert_bytes = sum(p.numel() for m in modules for p in m.parameters())
+    total_bytes = sum(p.numel() for p in model.parameters() if p.dtype == torch.uint8)
+    model = shardwise.shard(model, units="auto")
+    x, y = make_batches(1, VOCAB)[0]
+    opt = make_optimizer("adamw", model.parameters())
+    lm_loss(model, x[:2], y[:2]).backward()
+    opt.step()
+    experts = [p for m in modules for p in m.parameters()]  # the shard parameters now
+    groups = [g for u in runtime_of(model).units for g in u.flat_groups if g.plan.dtype == torch.uint8]
+    return {
+        "expert_dtypes": sorted({str(p.dtype) for p in experts}),
+        "local_expert_bytes": sum(shardwise.param_info(p).local_numel for p in experts),
+        "total_expert_bytes": total_expert_bytes,
+        "local_bytes": sum(g.shard.numel() for g in groups),
+        "total_bytes": total_bytes,
+        "frozen": all(not p.requires_grad and p.grad is None for p in experts),
+        "only_adapters_train": all("lora_" in n for n, p in model.named_parameters() if p.requires_grad),
+        "no_state": all(p.dtype != torch.uint8 for p in opt.state),
+    }
+
+
 def _worker(rank, ws, root):
     return run_scenarios({
         "sgd": lambda r, w: _parity(r, w, "sgd"),
@@ -205,6 +241,9 @@ def _worker(rank, ws, root):
         "bytes": _bytes_and_frozen,
         "generate": _generate,
         "checkpoint": lambda r, w: _save_then_go_on(r, w, os.path.join(root, f"ws{w}")),
+        "moe_qwen3_sgd": lambda r, w: _parity(r, w, "sgd", model_fn=moe_model),
+        "moe_qwen3_adamw_ckpt": lambda r, w: _parity(r, w, "adamw", model_fn=moe_model, activation_checkpointing=True),
+        "moe_bytes": _moe_expert_bytes,
     }, rank, ws)
 
 
@@ -229,7 +268,8 @@ WORLD_SIZES = [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=py
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
-@pytest.mark.parametrize("case", ["sgd", "adamw_ckpt_nosync", "shard_grad_op", "tied_head_qwen2"])
+@pytest.mark.parametrize("case", ["sgd", "adamw_ckpt_nosync", "shard_grad_op", "tied_head_qwen2", "moe_qwen3_sgd",
+                                  "moe_qwen3_adamw_ckpt"])
 def test_qlora_training_equals_single_process_on_the_same_quantised_model(ws, case, root):
     assert_parity(scenario(_report(ws, root)[0], case), rtol=1e-6, label=f"ws {ws} {case}")
 
@@ -292,3 +332,15 @@ def test_a_qlora_checkpoint_resumes_at_one_rank_with_the_same_bytes_and_training
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 1e-6, (worst, errors[worst])
     assert any(".lora_" in k and not torch.equal(resumed[k], initial[k]) for k in resumed)  # the adapters trained
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_moe_experts_are_4bit_bytes_split_across_ranks_and_frozen(ws, root):
+    reports = [scenario({"moe_bytes": r["moe_bytes"]}, "moe_bytes") for r in _report(ws, root)]
+    first = reports[0]
+    assert first["expert_dtypes"] == ["torch.uint8"], first
+    assert first["total_expert_bytes"] > first["total_bytes"] / 2, "the experts should be most of the 4-bit bytes"
+    assert sum(r["local_expert_bytes"] for r in reports) == first["total_expert_bytes"], reports  # each byte once
+    for rank, r in enumerate(reports):
+        assert r["local_bytes"] <= r["total_bytes"] / ws + 4 * ws, (rank, r["local_bytes"], r["total_bytes"])
+        assert r["frozen"] and r["only_adapters_train"] and r["no_state"], (rank, r)
