@@ -106,6 +106,7 @@ def unsharded_quant_targets(model, prefix: str) -> list[QuantTarget]:
 
 def match_quantised(targets: list[QuantTarget], weights: PretrainedWeights, to_model) -> set[str]:
     """Set each target's file key and kind, checking what the file declares; returns the file keys used."""
+    _check_config(weights, targets)
     by_name = {t.name + ".weight": t for t in targets}
     used: set[str] = set()
     for key in weights.where:
@@ -125,6 +126,24 @@ def match_quantised(targets: list[QuantTarget], weights: PretrainedWeights, to_m
         else:
             _check_high_precision(weights, t.key, t.module.layout)
     return used
+
+
+def _check_config(weights: PretrainedWeights, targets: list[QuantTarget]) -> None:
+    """A directory whose config.json declares a ``quantization_config`` must declare the model's 4-bit settings:
+    its tensors are checked against the model next, so a config that disagrees with them is refused either way,
+    and here by the file that says it."""
+    from shardwise.hf.quantization import QuantSettings
+
+    path = weights.directory / "config.json"
+    declared = QuantSettings.from_pretrained(weights.directory) if targets and path.is_file() else None
+    if declared is None:
+        return
+    layout = targets[0].module.layout
+    for option, says, built in (("bnb_4bit_quant_type", declared.quant_type, layout.quant_type),
+                                ("bnb_4bit_use_double_quant", declared.double_quant, layout.double_quant)):
+        if says != built:
+            raise ShardwiseError(f"{path}: quantization_config {option}={says!r}, but the model's 4-bit modules are "
+                                 f"{built!r}; the directory's tensors must be what its config says")
 
 
 def _check_high_precision(weights: PretrainedWeights, key: str, layout: Layout4bit) -> None:
