@@ -247,3 +247,28 @@ def test_generate_on_a_qlora_run_equals_one_process_through_the_same_quantised_m
         ids = ids[:-1]
     assert ids, "the reference sampled nothing: the comparison would be empty"
     assert got == gen.decode(ids)
+
+
+def test_merge_of_a_qlora_run_adds_the_adapters_to_dirs_high_precision_weights_and_says_so(runs, tmp_path, capsys):
+    """`export --merge` of a QLoRA run merges into DIR's original weights (never the 4-bit copy the run trained
+    over), says so, and equals peft's merge_and_unload of the exported adapter over DIR's weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.hf.export import export_checkpoint, export_main
+
+    root, model_dir, _, _ = runs
+    run = root / "qlora"
+    export_checkpoint(run, tmp_path / "adapter")
+    capsys.readouterr()
+    assert export_main([str(run), str(tmp_path / "merged"), "--merge"]) == 0
+    said = capsys.readouterr().out
+    assert f"merged the adapters into the high-precision weights of {os.path.abspath(model_dir)}" in said
+    assert "(the run trained over their 4-bit quantisation)" in said
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    reference = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).merge_and_unload().state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).state_dict()
+    assert sorted(merged) == sorted(reference)
+    for name, want in reference.items():
+        torch.testing.assert_close(merged[name], want, rtol=0, atol=0, msg=name)
