@@ -415,6 +415,8 @@ ROWS = [
     # Parameters themselves: reductions exact (and differentiable where additive), autograd calls by name.
     Row("get_total_norm(parameters), parameters_to_vector(parameters).norm(), p.norm(), p.abs().max()",
         train(after_backward=weight_norms)),
+    Row("p.sort() (positions in the whole)", train(after_backward=lambda ctx: ctx.params()[0].sort()),
+        sharded_only("depends on positions in the whole tensor")),
     Row("L2 penalty by hand: loss + wd * sum(p.pow(2).sum())", penalised(l2)),
     Row("penalty from get_total_norm(parameters) ** 2",
         penalised(lambda ps: torch.nn.utils.get_total_norm(ps) ** 2)),
