@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -66,6 +65,28 @@ def current_rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_rss() -> int:
+    """VmHWM: the most this process has had resident since it started or since ``reset_peak_rss``."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def reset_peak_rss() -> None:
+    """Start VmHWM afresh from the current RSS (Linux >= 4.0: "5" to clear_refs), so a step's peak is not
+    the load's."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def record_peak(phases: dict, name: str, baseline: int, timed: bool) -> None:
+    """The peak RSS since the last reset (less ``baseline``) as ``phases[name]`` (the largest over the timed
+    steps), then reset, so each phase of a step reports its own peak."""
+    if timed:
+        phases[name] = max(phases.get(name, 0), peak_rss() - baseline)
+    reset_peak_rss()
+
+
 def count_gathers(counts: dict):
     """Count the bytes every all-gather delivers to this rank, by dtype (patches the engine's collectives)."""
     from shardwise.engine import collectives
@@ -92,7 +113,6 @@ def worker(rank: int, world: int, init: str, model_dir: str, mode: str, args, ou
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=1800))
-    baseline = current_rss()
     q = shardwise.QuantSettings("nf4", True) if mode == "qlora" else None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16)
@@ -103,12 +123,18 @@ def worker(rank: int, world: int, init: str, model_dir: str, mode: str, args, ou
     for p in model.parameters():  # adapters: fp32 masters (peft made them in the meta model's bf16)
         if p.requires_grad:
             p.data = p.data.float()
+    # The baseline: the model built on meta (no tensor data yet), so every library it needs (transformers'
+    # modelling code, peft: ~0.2 GB of RSS) is already loaded and not counted as the model's memory.
+    baseline = current_rss()
     mp = shardwise.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     shardwise.shard(model, mixed_precision=mp, activation_checkpointing=True,
                     param_init_fn=lora_param_init_fn(model, shardwise.skip_weight_init(model)))
+    rss_after_shard = current_rss()
     t0 = time.perf_counter()
     shardwise.load_pretrained(model, model_dir, rename=pretrained_name, quantization=q)
     load_s = time.perf_counter() - t0
+    phases = {"built_and_sharded": rss_after_shard - baseline, "loaded": current_rss() - baseline,
+              "load_peak": peak_rss() - baseline}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     g = torch.Generator().manual_seed(rank)
     counts: dict = {}
@@ -117,17 +143,23 @@ def worker(rank: int, world: int, init: str, model_dir: str, mode: str, args, ou
         x = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=g)
         if step == args.warmup:
             count_gathers(counts)
+            phases["after_warmup"] = current_rss() - baseline
+        timed_step = step >= args.warmup
         t = time.perf_counter()
+        reset_peak_rss()
         logits = model(input_ids=x[:, :-1], use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+        record_peak(phases, "forward_peak", baseline, timed_step)
         loss.backward()
+        record_peak(phases, "backward_peak", baseline, timed_step)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        record_peak(phases, "optimizer_peak", baseline, timed_step)
         times.append(time.perf_counter() - t)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    phases["step_peak"] = max(phases["forward_peak"], phases["backward_peak"], phases["optimizer_peak"])
     timed = times[args.warmup:]
     report = {"mode": mode, "rank": rank, "step_s": sorted(timed)[len(timed) // 2], "load_s": load_s,
-              "peak_delta": peak - baseline, "gathered_per_step": {k: v / len(timed) for k, v in counts.items()},
+              "peak_delta": phases["step_peak"], "phases": phases, "gathered_per_step": {k: v / len(timed) for k, v in counts.items()},
               "loss": loss.item()}
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(report, f)
@@ -177,6 +209,9 @@ def main() -> None:
         reports = run(mode, model_dir, args)
         planned = planner_total(model_dir, mode, args)
         peak = max(r["peak_delta"] for r in reports)
+        for r in reports:
+            print(f"{mode} rank {r['rank']}: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in r["phases"].items()),
+                  flush=True)
         gathered = reports[0]["gathered_per_step"]
         rows.append((mode, max(r["step_s"] for r in reports), max(r["load_s"] for r in reports), peak, planned,
                      gathered))
