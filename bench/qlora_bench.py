@@ -9,9 +9,12 @@ shard with bf16 mixed precision and activation checkpointing, and train with Ada
 QLoRA run quantises the base on load (each rank only its bytes). One process per rank (gloo, one thread
 each, as in compare_cpu.py).
 
-Memory: per rank, ``ru_maxrss`` at the end minus the RSS right before the model is built (imports and the
-process group excluded), against ``estimate-memory --device cpu`` for the same configuration (the planner
-counts live tensor bytes, not the allocator's or Python's own).
+Memory: per rank, the peak RSS (VmHWM) of each phase of a timed step -- forward, backward, optimizer step,
+reset between them through /proc/self/clear_refs -- less the RSS once the model is built on meta (so the
+libraries it imports, ~0.2 GB, are not counted and neither is the load's own peak), against ``estimate-memory
+--device cpu`` for the same configuration. The planner counts live bytes; run with
+``MALLOC_MMAP_THRESHOLD_=65536`` to make RSS track them (glibc then returns every freed block of 64 KiB or
+more at once), without it RSS also holds what glibc keeps of freed blocks.
 """
 
 from __future__ import annotations
@@ -215,7 +218,7 @@ def main() -> None:
         gathered = reports[0]["gathered_per_step"]
         rows.append((mode, max(r["step_s"] for r in reports), max(r["load_s"] for r in reports), peak, planned,
                      gathered))
-    print("| run | step s (median, slowest rank) | load s | peak per rank GB (measured) | planner GB | "
+    print("| run | step s (median, slowest rank) | load s | step peak per rank GB (VmHWM) | planner GB | "
           "measured / planner | all-gathered per rank per step |")
     print("|---|---|---|---|---|---|---|")
     for mode, step, load, peak, planned, gathered in rows:

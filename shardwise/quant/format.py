@@ -41,7 +41,7 @@ BLOCKSIZE = 64
 NESTED_BLOCKSIZE = 256
 _LUT_SIZE = 65536
 _TINY_ABSMAX = 1e-38  # bitsandbytes' clamp before taking the reciprocal
-DEQUANT_CHUNK = 1 << 22  # elements Layout4bit.dequantize decodes at a time
+DEQUANT_CHUNK = 1 << 20  # elements Layout4bit.dequantize decodes at a time
 
 
 @dataclass
