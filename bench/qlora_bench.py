@@ -82,6 +82,18 @@ def reset_peak_rss() -> None:
         f.write("5")
 
 
+def quantised_bytes(model) -> tuple[int, int]:
+    """(this rank's uint8 shard bytes: the 4-bit base's packed data and scales, padding included; every
+    QuantLinear's stored bytes in all, unsharded)."""
+    from shardwise.engine.runtime import STATE_ATTR
+    from shardwise.quant.linear import QuantLinear
+
+    runtime = getattr(model, STATE_ATTR)
+    mine = sum(g.shard.numel() for u in runtime.units for g in u.flat_groups if g.shard.dtype == torch.uint8)
+    every = sum(sum(m.layout.nbytes().values()) for m in model.modules() if isinstance(m, QuantLinear))
+    return mine, every
+
+
 def record_peak(phases: dict, name: str, baseline: int, timed: bool) -> None:
     """The peak RSS since the last reset (less ``baseline``) as ``phases[name]`` (the largest over the timed
     steps), then reset, so each phase of a step reports its own peak."""
@@ -138,6 +150,7 @@ def worker(rank: int, world: int, init: str, model_dir: str, mode: str, args, ou
     load_s = time.perf_counter() - t0
     phases = {"built_and_sharded": rss_after_shard - baseline, "loaded": current_rss() - baseline,
               "load_peak": peak_rss() - baseline}
+    phases["base_bytes"], phases["all_base_bytes"] = quantised_bytes(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     g = torch.Generator().manual_seed(rank)
     counts: dict = {}
