@@ -13,7 +13,7 @@ import os
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "gpt2")
+FAMILIES = ("llama", "qwen2", "gpt2", "qwen3_moe")
 
 # Enough text for a few hundred merges; the SFT tests render chats and prompts in these words.
 CORPUS = [
@@ -67,6 +67,13 @@ def tiny_config(family: str, vocab_size: int, **overrides):
                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
                   "tie_word_embeddings": True}
         cls = Qwen2Config
+    elif family == "qwen3_moe":  # 2 layers, 4 experts (top 2), every layer sparse
+        from transformers import Qwen3MoeConfig
+
+        kw = {"vocab_size": vocab_size, "hidden_size": 48, "intermediate_size": 72, "moe_intermediate_size": 40,
+              "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 12, "max_position_embeddings": 64, "tie_word_embeddings": False}
+        cls = Qwen3MoeConfig
     elif family == "gpt2":
         kw = {"vocab_size": vocab_size, "n_embd": 48, "n_layer": 2, "n_head": 4, "n_positions": 64}
         cls = GPT2Config

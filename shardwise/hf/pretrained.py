@@ -12,7 +12,8 @@ Three steps, every rank alike:
 1. *Match* (no tensor data read): the files' tensor names are mapped to the model's as ``from_pretrained``
    maps them (transformers' own renaming rules: ``base_model_prefix`` stripped or added, legacy
    ``gamma``/``beta``, per-model renamings; see ``_hf_key_mapping``). A name that needs a weight *conversion*
-   (fusing experts, splitting qkv) is refused: that needs whole tensors. Each parameter must come from the
+   (fusing experts, splitting qkv) is refused: that needs whole tensors. (4-bit MoE experts keep the files'
+   per-expert layout, so their names need none: ``quantized_load``.) Each parameter must come from the
    file with the exact shape; a tied parameter (GPT-2's and Qwen2's ``lm_head``) from any one of its names.
    A missing parameter is an error naming it; file tensors the model has no place for are named in a warning,
    as ``from_pretrained`` does.
@@ -49,9 +50,9 @@ from shardwise.engine import agree
 from shardwise.engine.host_memory import release_freed_host_memory
 from shardwise.errors import ShardwiseError
 from shardwise.engine.hf_init import hf_param_init_fn, is_hf_model
-from shardwise.hf.quantized_load import (QuantTarget, gather_absmax, load_prequantised, local_absmax,
+from shardwise.hf.quantized_load import (COMPANIONS, QuantTarget, gather_absmax, load_prequantised, local_absmax,
                                          match_quantised, quant_targets, quantise_pieces, unsharded_quant_targets)
-from shardwise.quant.linear import QuantLinear
+from shardwise.quant.experts import QUANT_MODULE_TYPES
 from shardwise.hf.quantization import QuantSettings, check_quantised_model
 from shardwise.engine.state_dict import persistent_buffers as engine_persistent_buffers
 from shardwise.hf.weight_files import PretrainedWeights
@@ -111,7 +112,7 @@ def _load(model: nn.Module, runtime, directory, rename: Rename | None) -> tuple[
     params = [Target([r.fqn for r in spec.refs], tuple(spec.shape), spec.dtype, False) for spec in specs]
     targets = params + persistent_buffers(model)
     with PretrainedWeights(directory) as weights:
-        unexpected = match(model, targets, weights, rename)
+        unexpected = match(model, targets, weights, rename, claimed_names(quantised))
         if quantised:
             used = match_quantised(quantised, weights, _hf_key_mapping(hf, {t.name + ".weight" for t in quantised})[0])
             unexpected = [k for k in unexpected if k not in used]
@@ -166,7 +167,7 @@ def persistent_buffers(model: nn.Module) -> list[Target]:
 def unsharded_targets(model: nn.Module) -> list[Target]:
     """The targets of a model that is not sharded (the launcher checks a meta model before workers start)."""
     by_id: dict[int, Target] = {}
-    quantised = {id(p) for m in model.modules() if isinstance(m, QuantLinear) for n, p in m.named_parameters()
+    quantised = {id(p) for m in model.modules() if isinstance(m, QUANT_MODULE_TYPES) for n, p in m.named_parameters()
                  if n != "bias"}  # checked by check_loadable through quantized_load
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in quantised:
@@ -182,9 +183,9 @@ def check_loadable(model: nn.Module, directory: os.PathLike | str) -> None:
     """Everything ``load_pretrained`` checks before reading data, on an unsharded (meta) model: headers,
     index, names, shapes, dtypes. Raises ShardwiseError naming what is wrong."""
     with PretrainedWeights(directory) as weights:
-        match(model, unsharded_targets(model), weights, None)
         hf, prefix = _hf_model(model)
         targets = unsharded_quant_targets(model, prefix)
+        match(model, unsharded_targets(model), weights, None, claimed_names(targets))
         if targets:
             match_quantised(targets, weights, _hf_key_mapping(hf, {t.name + ".weight" for t in targets})[0])
 
@@ -192,9 +193,16 @@ def check_loadable(model: nn.Module, directory: os.PathLike | str) -> None:
 # ---- matching names -----------------------------------------------------------------------------------------
 
 
-def match(model: nn.Module, targets: list[Target], weights: PretrainedWeights, rename: Rename | None) -> list[str]:
+def claimed_names(quantised: list[QuantTarget]) -> set[str]:
+    """The file names the 4-bit weights read (weights and their bitsandbytes companions): ``match`` leaves
+    them to ``match_quantised``, even where transformers would convert them (per-expert MoE weights)."""
+    return {t.name + ".weight" + suffix for t in quantised for suffix in ("",) + COMPANIONS}
+
+
+def match(model: nn.Module, targets: list[Target], weights: PretrainedWeights, rename: Rename | None,
+          claimed: set[str] = frozenset()) -> list[str]:
     """Set ``target.key`` for every target the file holds; raise for a missing parameter or a mismatch.
-    Returns the file tensors nothing uses (after Hugging Face's ignore rules)."""
+    Returns the file tensors nothing uses (after Hugging Face's ignore rules), ``claimed`` ones included."""
     hf, prefix = _hf_model(model)
     rename = rename if rename is not None else _default_rename(model)
     local: dict[str, Target] = {}  # the name in the HF model (after ``rename``) -> target
@@ -204,7 +212,7 @@ def match(model: nn.Module, targets: list[Target], weights: PretrainedWeights, r
             n = rename(n) if rename is not None and n is not None else n
             if n is not None:
                 local[n] = t
-    to_model, ignored = _hf_key_mapping(hf, set(local))
+    to_model, ignored = _hf_key_mapping(hf, set(local) | claimed)
     found: dict[int, list[str]] = {}
     unexpected = []
     for key in weights.where:
@@ -308,6 +316,11 @@ def _hf_key_mapping(hf: nn.Module, model_keys: set[str]) -> tuple[Callable[[str]
             renamed, pattern = rename_source_key(key, renamings, converters, prefix or None, present)
             if renamed not in present and key in present:  # as from_pretrained: the key needed no renaming
                 renamed, pattern = key, None
+            if pattern is not None:  # a model that keeps the files' layout (4-bit MoE experts) needs no conversion
+                kept = key
+                for renaming in renamings:
+                    kept = renaming.rename_source_key(kept)[0]
+                renamed, pattern = (kept, None) if kept in present else (renamed, pattern)
             if pattern is not None:
                 raise ShardwiseError(f"tensor {key!r} needs transformers' weight conversion {pattern!r} (fusing or "
                                      f"splitting tensors) to load into {type(hf).__name__}; load_pretrained reads "

@@ -1,7 +1,8 @@
 """Which Linears of a model become 4-bit, spelled as Hugging Face spells it (``BitsAndBytesConfig`` /
 ``quantization_config`` in config.json), and the peft hookup that puts LoRA adapters around them.
 
-The recipe (README, "QLoRA"): build on meta, ``quantize_model`` (Linears -> ``QuantLinear``, lm_head kept),
+The recipe (README, "QLoRA"): build on meta, ``quantize_model`` (Linears -> ``QuantLinear``, lm_head kept;
+transformers 5's fused MoE experts -> ``QuantExperts``),
 ``apply_lora``, ``shard``, then ``load_pretrained(..., quantization=settings)``, which reads a pre-quantised
 directory by copy or quantises a bf16/fp32 one on load.
 """
@@ -17,13 +18,15 @@ from torch import nn
 
 from shardwise.errors import ShardwiseError
 from shardwise.quant.codebooks import check_quant_type
+from shardwise.quant.experts import QUANT_MODULE_TYPES, quantize_experts
 from shardwise.quant.linear import QuantLinear, quantize_linears
 
 
 @dataclass(frozen=True)
 class QuantSettings:
     """A 4-bit base: ``quant_type`` nf4|fp4, ``double_quant`` (bitsandbytes' ``bnb_4bit_use_double_quant``),
-    and the Linears left in high precision (by the last part of their name)."""
+    and the Linears and MoE experts modules left in high precision (by the last part of their name:
+    ``"experts"`` keeps a MoE model's fused experts unquantised, as transformers' own 4-bit load does)."""
 
     quant_type: str = "nf4"
     double_quant: bool = True
@@ -63,10 +66,11 @@ class QuantSettings:
 
 
 def quantize_model(model: nn.Module, settings: QuantSettings) -> list[str]:
-    """Replace the model's ``nn.Linear`` modules (``settings.skip_modules`` excepted) by ``QuantLinear``.
-    On a meta-built model nothing is quantised yet (``load_pretrained`` fills them); on a real one the
-    weights are quantised now. Returns the names replaced."""
-    replaced = quantize_linears(model, settings.skip_modules, settings.quant_type, settings.double_quant)
+    """Replace the model's ``nn.Linear`` modules by ``QuantLinear`` and its fused MoE experts modules by
+    ``QuantExperts`` (``settings.skip_modules`` excepted). On a meta-built model nothing is quantised yet
+    (``load_pretrained`` fills them); on a real one the weights are quantised now. Returns the names replaced."""
+    args = (settings.skip_modules, settings.quant_type, settings.double_quant)
+    replaced = quantize_experts(model, *args) + quantize_linears(model, *args)
     if not replaced:
         raise ShardwiseError(f"quantization: {type(model).__name__} has no nn.Linear to quantise")
     return replaced
@@ -74,7 +78,7 @@ def quantize_model(model: nn.Module, settings: QuantSettings) -> list[str]:
 
 def check_quantised_model(model: nn.Module, settings: QuantSettings) -> None:
     """A model given to ``load_pretrained(..., quantization=settings)`` must have been quantised with them."""
-    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, QUANT_MODULE_TYPES)]
     if not modules:
         raise ShardwiseError(f"load_pretrained(quantization=...): {type(model).__name__} has no 4-bit modules; "
                              f"call shardwise.quantize_model(model, settings) before shard()")
@@ -94,5 +98,5 @@ def register_with_peft(lora_config) -> None:
 
 
 def has_quantised(model: nn.Module) -> bool:
-    return any(isinstance(m, QuantLinear) for m in model.modules())
+    return any(isinstance(m, QUANT_MODULE_TYPES) for m in model.modules())
 

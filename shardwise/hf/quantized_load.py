@@ -15,6 +15,10 @@ bytes it owns. Two kinds of file tensor feed a QuantLinear at prefix ``P``:
 
 The quantised bytes equal what bitsandbytes 0.50.2 on CPU makes of the same values, so both paths give the
 same bytes (tests/hf/test_quantized_load.py).
+
+A ``QuantExperts`` module (4-bit MoE experts) is one target per expert and projection, named as the files
+name it (``P.{e}.gate_proj``; see quant/experts.py): its stored tensors are ``[experts, bytes]``, so expert
+``e``'s bytes are row ``e`` and a rank's byte range is split at the row boundaries.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from shardwise.hf.weight_files import PretrainedWeights
 from shardwise.quant.codebooks import code_table, dynamic_map
 from shardwise.quant.format import (BLOCKSIZE, NESTED_BLOCKSIZE, Layout4bit, absmax_offset, block_absmax,
                                     num_blocks, pack_nibbles, quantize_absmax, quantize_blocks)
+from shardwise.quant.experts import QUANT_MODULE_TYPES, QuantExpertMatrices
 from shardwise.quant.linear import QuantLinear
 
 STATE_KEY = ".quant_state.bitsandbytes__"
@@ -37,9 +42,10 @@ COMPANIONS = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", ST
 
 @dataclass
 class QuantTarget:
-    """One QuantLinear to fill: its HF name (``...q_proj``), file key, and this rank's byte ranges."""
+    """One 4-bit weight to fill: its HF name (``...q_proj``), file key, and this rank's byte ranges (of the
+    module's stored tensors, or of row ``expert`` of them)."""
 
-    module: QuantLinear
+    module: QuantLinear | QuantExpertMatrices
     name: str
     pieces: list = field(default_factory=list)  # (stored tensor name, lo, hi, destination bytes)
     key: str | None = None
@@ -49,43 +55,58 @@ class QuantTarget:
 
 
 def quant_targets(runtime, prefix: str, rename) -> tuple[list[QuantTarget], set[int]]:
-    """The QuantLinears of a sharded model with this rank's byte ranges of their stored tensors, and the ids
-    of the plan's ParamSpecs they cover (which the plain loader skips)."""
-    by_module: dict[int, QuantTarget] = {}
+    """The 4-bit weights of a sharded model with this rank's byte ranges of their stored tensors, and the ids
+    of the plan's ParamSpecs they cover (which the plain loader skips). Every rank lists every weight, in the
+    same order, whether it owns bytes of it or not (quantising on load gathers per weight)."""
+    by_weight: dict[tuple[int, int], QuantTarget] = {}
     covered: set[int] = set()
     for unit in runtime.units:
         for group in unit.flat_groups:
             for spec, (lo, hi, at) in zip(group.plan.params, group.local_slices):
                 ref = spec.refs[0]
-                if not isinstance(ref.module, QuantLinear) or ref.name == "bias":
+                if not isinstance(ref.module, QUANT_MODULE_TYPES) or ref.name == "bias":
                     continue
                 covered.add(id(spec))
-                t = by_module.get(id(ref.module))
-                if t is None:
-                    name = ref.fqn[: -len(ref.name) - 1]
-                    name = name[len(prefix):] if name.startswith(prefix) else name
-                    if rename is not None:
-                        renamed = rename(name + ".weight")
-                        name = renamed[: -len(".weight")] if renamed else name
-                    t = by_module[id(ref.module)] = QuantTarget(ref.module, name)
-                if hi > lo:
-                    t.pieces.append((ref.name, lo, hi, group.shard.narrow(0, at, hi - lo)))
-    return sorted(by_module.values(), key=lambda t: t.name), covered
+                module_name = ref.fqn[: -len(ref.name) - 1]
+                module_name = module_name[len(prefix):] if module_name.startswith(prefix) else module_name
+                per = ref.module.layout.nbytes()[ref.name]  # bytes of one weight's tensor (one expert's row)
+                for e in range(getattr(ref.module, "num_experts", 1)):
+                    t = by_weight.get((id(ref.module), e))
+                    if t is None:
+                        t = by_weight[id(ref.module), e] = QuantTarget(
+                            ref.module, _file_name(module_name, ref.module, e, rename))
+                    a, b = max(lo, e * per), min(hi, (e + 1) * per)
+                    if b > a:
+                        t.pieces.append((ref.name, a - e * per, b - e * per, group.shard.narrow(0, at + a - lo, b - a)))
+    return sorted(by_weight.values(), key=lambda t: t.name), covered
+
+
+def _file_name(module_name: str, module, expert: int, rename=None) -> str:
+    """The HF name of a 4-bit weight's module: a QuantLinear's own (``...q_proj``, after ``rename``), or
+    expert ``expert``'s matrix of a QuantExpertMatrices (``...mlp.experts.3.gate_proj``)."""
+    if isinstance(module, QuantExpertMatrices):
+        module_name = f"{module_name.rsplit('.', 1)[0]}.{expert}.{module.file_name}"
+    if rename is not None:
+        renamed = rename(module_name + ".weight")
+        module_name = renamed[: -len(".weight")] if renamed else module_name
+    return module_name
 
 
 def unsharded_quant_targets(model, prefix: str) -> list[QuantTarget]:
-    """The QuantLinears of a model that is not sharded (the trainer's preflight check on a meta model), named
-    as in the checkpoint: ``prefix`` and peft's ``.base_layer`` dropped."""
+    """The 4-bit weights of a model that is not sharded (the trainer's preflight check on a meta model),
+    named as in the checkpoint: ``prefix`` and peft's ``.base_layer`` dropped."""
     out = []
     for name, m in model.named_modules():
-        if isinstance(m, QuantLinear):
+        if isinstance(m, QUANT_MODULE_TYPES):
             name = name[len(prefix):] if name.startswith(prefix) else name
-            out.append(QuantTarget(m, name.replace(".base_layer", "")))
+            name = name.replace(".base_layer", "")
+            out += [QuantTarget(m, _file_name(name, m, e)) for e in range(getattr(m, "num_experts", 1))]
     return sorted(out, key=lambda t: t.name)
 
 
 def match_quantised(targets: list[QuantTarget], weights: PretrainedWeights, to_model) -> set[str]:
     """Set each target's file key and kind, checking what the file declares; returns the file keys used."""
+    _check_config(weights, targets)
     by_name = {t.name + ".weight": t for t in targets}
     used: set[str] = set()
     for key in weights.where:
@@ -105,6 +126,24 @@ def match_quantised(targets: list[QuantTarget], weights: PretrainedWeights, to_m
         else:
             _check_high_precision(weights, t.key, t.module.layout)
     return used
+
+
+def _check_config(weights: PretrainedWeights, targets: list[QuantTarget]) -> None:
+    """A directory whose config.json declares a ``quantization_config`` must declare the model's 4-bit settings:
+    its tensors are checked against the model next, so a config that disagrees with them is refused either way,
+    and here by the file that says it."""
+    from shardwise.hf.quantization import QuantSettings
+
+    path = weights.directory / "config.json"
+    declared = QuantSettings.from_pretrained(weights.directory) if targets and path.is_file() else None
+    if declared is None:
+        return
+    layout = targets[0].module.layout
+    for option, says, built in (("bnb_4bit_quant_type", declared.quant_type, layout.quant_type),
+                                ("bnb_4bit_use_double_quant", declared.double_quant, layout.double_quant)):
+        if says != built:
+            raise ShardwiseError(f"{path}: quantization_config {option}={says!r}, but the model's 4-bit modules are "
+                                 f"{built!r}; the directory's tensors must be what its config says")
 
 
 def _check_high_precision(weights: PretrainedWeights, key: str, layout: Layout4bit) -> None:

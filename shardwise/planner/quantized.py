@@ -1,6 +1,7 @@
 """What a 4-bit base (``--load-in-4bit``) adds to a memory plan: the meta model's Linears become
-``QuantLinear`` (their uint8 stored bytes then form frozen flat groups the plan shards like any other, scales
-included), and the forward and backward each hold one dequantised matrix at a time."""
+``QuantLinear`` and its fused MoE experts ``QuantExperts`` (their uint8 stored bytes then form frozen flat
+groups the plan shards like any other, scales included), and the forward and backward each hold one
+dequantised matrix at a time."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from torch import nn
 
 from shardwise.engine.plan import ShardingPlan
 from shardwise.hf.quantization import QuantSettings, quantize_model
+from shardwise.quant.experts import QUANT_MODULE_TYPES
 from shardwise.quant.format import DEQUANT_CHUNK
-from shardwise.quant.linear import QuantLinear
 
 # Layout4bit.dequantize's temporaries for one chunk: fp32 values per element and an int32 index per packed
 # byte (two elements), beside the dequantised matrix itself.
@@ -28,7 +29,8 @@ def quantised_figures(model: nn.Module, plan: ShardingPlan, compute_itemsize: in
     dequantised matrix in compute dtype plus the dequantisation's chunk temporaries; how many more weights
     the model has than its parameters' element count says, since 4-bit parameters count bytes)."""
     shard = sum(g.shard_numel for g in plan.groups() if g.dtype == torch.uint8)
-    quantised = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    largest = max((m.layout.numel for m in quantised), default=0)
-    uncounted = sum(m.layout.numel - sum(p.numel() for n, p in m.named_parameters() if n != "bias") for m in quantised)
+    quantised = [m for m in model.modules() if isinstance(m, QUANT_MODULE_TYPES)]  # MoE experts: one per projection
+    largest = max((m.layout.numel for m in quantised), default=0)  # experts dequantise one expert's matrix at a time
+    uncounted = sum(m.layout.numel * getattr(m, "num_experts", 1)
+                    - sum(p.numel() for n, p in m.named_parameters() if n != "bias") for m in quantised)
     return shard, (largest * compute_itemsize + DEQUANT_CHUNK_BYTES) if largest else 0, uncounted

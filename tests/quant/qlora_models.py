@@ -1,5 +1,6 @@
 """Tiny quantised models for the QLoRA tests: a Hugging Face causal LM built from config, its Linears
-(lm_head excepted) replaced by QuantLinear, LoRA adapters around them through peft's custom-module hook."""
+(lm_head excepted) replaced by QuantLinear and its fused MoE experts (if any) by QuantExperts, LoRA adapters
+around the Linears through peft's custom-module hook."""
 
 from __future__ import annotations
 
@@ -11,11 +12,17 @@ from hf_dirs import tiny_config
 
 VOCAB = 97
 TARGETS = ("q_proj", "v_proj", "down_proj")
+MOE_TARGETS = ("q_proj", "v_proj")  # attention: a MoE model's experts are not Linears
 
 
 def lm_loss(model, x, y):
     logits = model(input_ids=x, use_cache=False).logits
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def moe_config(**overrides):
+    """hf_dirs' tiny Qwen3-MoE (2 layers, 4 experts, top 2)."""
+    return tiny_config("qwen3_moe", VOCAB, **overrides)
 
 
 def quantised_lora_model(family: str = "llama", seed: int = 0, targets=TARGETS, quant_type: str = "nf4",
@@ -25,11 +32,13 @@ def quantised_lora_model(family: str = "llama", seed: int = 0, targets=TARGETS, 
     from peft.tuners.lora import Linear as LoraLinear
     from transformers import AutoModelForCausalLM
 
+    from shardwise.quant.experts import quantize_experts
     from shardwise.quant.linear import QuantLinear, quantize_linears
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, VOCAB, **config), attn_implementation="sdpa")
     model.config.use_cache = False
+    quantize_experts(model, quant_type=quant_type, double_quant=double_quant)
     quantize_linears(model, quant_type=quant_type, double_quant=double_quant)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False)
     lora._register_custom_module({QuantLinear: LoraLinear})
