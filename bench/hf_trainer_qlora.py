@@ -6,7 +6,8 @@ Loads the directory qlora_bench.py writes with ``BitsAndBytesConfig(load_in_4bit
 quantisation, bf16 compute and storage)`` on CPU, wraps every projection with peft LoRA r=16 and trains
 3 steps of batch 1 x seq 64 with ``fsdp="full_shard auto_wrap"``, ``fsdp_config={"fsdp_version": 2, ...}``,
 bf16 and gradient checkpointing, as a user would. Prints the wrapper Trainer actually used, the median step
-time and the peak RSS over training less the RSS after loading, per rank.
+time, the RSS after loading and the peak RSS over training, both less the RSS once the libraries are
+imported (as qlora_bench.py's baseline), per rank.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ import sys
 import time
 
 import torch
+
+
+def current_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def peak_rss() -> int:
@@ -28,7 +34,11 @@ def main() -> None:
     from transformers import (AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainerCallback,
                               TrainingArguments)
 
+    import bitsandbytes  # noqa: F401  (imported before the baseline: library code, not model memory)
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
     torch.set_num_threads(1)
+    baseline = current_rss()
     bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                              bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
     t0 = time.perf_counter()
@@ -61,15 +71,15 @@ def main() -> None:
                              fsdp="full_shard auto_wrap", fsdp_config={
                                  "fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(), callbacks=[StepTimes()])
-    base = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    loaded = current_rss() - baseline
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     trainer.train()
     times = sorted(StepTimes.times[1:])
     print(f"rank {os.environ.get('RANK')}: wrapped as {type(trainer.model_wrapped).__name__} "
           f"(accelerate distributed_type {trainer.accelerator.distributed_type}); load {load_s:.1f} s, "
-          f"step {times[len(times) // 2]:.2f} s (median of {len(times)}), peak over training less RSS after "
-          f"load {(peak_rss() - base) / 1e9:.3f} GB", flush=True)
+          f"step {times[len(times) // 2]:.2f} s (median of {len(times)}); RSS after load {loaded / 1e9:.3f} GB, "
+          f"peak over training {(peak_rss() - baseline) / 1e9:.3f} GB (both less the baseline)", flush=True)
 
 
 if __name__ == "__main__":
