@@ -31,8 +31,8 @@ from shardwise.engine import agree, collectives
 from shardwise.errors import ShardwiseError
 from shardwise.hf.weight_files import PretrainedWeights
 from shardwise.quant.codebooks import code_table, dynamic_map
-from shardwise.quant.format import (BLOCKSIZE, NESTED_BLOCKSIZE, Layout4bit, absmax_offset, num_blocks,
-                                    pack_nibbles, quantize_absmax, quantize_blocks)
+from shardwise.quant.format import (BLOCKSIZE, NESTED_BLOCKSIZE, Layout4bit, absmax_offset, block_absmax,
+                                    num_blocks, pack_nibbles, quantize_absmax, quantize_blocks)
 from shardwise.quant.experts import QUANT_MODULE_TYPES, QuantExpertMatrices
 from shardwise.quant.linear import QuantLinear
 
@@ -254,8 +254,7 @@ def local_absmax(weights: PretrainedWeights, t: QuantTarget) -> None:
     lo, hi = min(rank * per, n), min((rank + 1) * per, n)
     t.absmax = torch.zeros(per, dtype=torch.float32)
     for start, stop, values in _chunks(weights, t.key, lo * BLOCKSIZE, min(hi * BLOCKSIZE, layout.numel)):
-        t.absmax[(start - lo * BLOCKSIZE) // BLOCKSIZE:][: num_blocks(stop - start)] = \
-            quantize_blocks(values, layout.quant_type)[1]
+        t.absmax[(start - lo * BLOCKSIZE) // BLOCKSIZE:][: num_blocks(stop - start)] = block_absmax(values)
 
 
 def gather_absmax(targets: list[QuantTarget]) -> None:
@@ -278,7 +277,8 @@ def quantise_pieces(weights: PretrainedWeights, t: QuantTarget) -> None:
             first = (2 * lo) // BLOCKSIZE * BLOCKSIZE
             last = min(-(-2 * hi // BLOCKSIZE) * BLOCKSIZE, layout.numel)
             for start, stop, values in _chunks(weights, t.key, first, last):
-                packed = pack_nibbles(quantize_blocks(values, layout.quant_type)[0])
+                absmax = t.absmax[start // BLOCKSIZE: num_blocks(stop)]  # known: no second abs-max pass
+                packed = pack_nibbles(quantize_blocks(values, layout.quant_type, absmax=absmax)[0])
                 a, b = max(lo, start // 2), min(hi, -(-stop // 2))
                 dst[a - lo: b - lo].copy_(packed[a - start // 2: b - start // 2])
         elif name == "absmax" and not layout.double_quant:
