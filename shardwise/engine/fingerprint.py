@@ -147,7 +147,8 @@ class CollectiveChecker:
         whatever each rank is about to do: two ranks calling different collectives of different sizes would
         otherwise meet in one collective that gloo aborts ("Received data size doesn't match") before any
         fingerprint could be read. One tiny exchange per call; these calls are rare (a few a step at most:
-        clipping, a GradScaler's inf check, a logged gradient norm)."""
+        clipping, a GradScaler's inf check, a logged gradient norm). One collective is agreed and issued by
+        ``collectives.run_agreed``; a call made of several (a state dict) agrees once, here."""
         if self.group is None:
             return
         values = self._fingerprint(op, unit, group, numel)
