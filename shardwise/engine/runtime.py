@@ -189,9 +189,8 @@ class ModelRuntime:
             return
         stale = torch.tensor([float(g.kept_copy_differs()) for g in kept], device=self.device)
         if self.pgs.shard is not None:
-            if self.checker is not None:
-                self.checker.check_now("kept_copy_agreement", stale.numel())
-            collectives.all_reduce_sum(stale, self.pgs.shard, what="the agreement on stale kept parameters")
+            collectives.run_agreed(self.checker, "kept_copy_agreement", collectives.all_reduce_sum, stale,
+                                   group=self.pgs.shard, what="the agreement on stale kept parameters")
         for g, n in zip(kept, stale.tolist()):
             if n:
                 g.refresh_due = True
