@@ -202,10 +202,12 @@ class Unit:
         for params, name, gi, pi in self._slots:
             g = self.flat_groups[gi]
             p = g.shard_params[pi]
-            if params[name] is not p:
+            if params.get(name) is not p:  # replaced, or moved (parametrize, weight_norm, prune move it)
                 raise ShardwiseError(
-                    f"parameter {g.plan.params[pi].fqn!r} of unit {self.label!r} was replaced after "
-                    f"shardwise.shard(); change parameters before shard(), or load values with "
+                    f"parameter {g.plan.params[pi].fqn!r} of unit {self.label!r} was "
+                    f"{'replaced' if name in params else 'removed from its module'} after shardwise.shard() "
+                    f"(torch.nn.utils.parametrize, weight_norm, spectral_norm and prune do this); apply them and "
+                    f"other changes of parameters before shard(), or load values with "
                     f"shardwise.load_full_state_dict / shardwise.summon_full_params(writeback=True)")
         for g in self.flat_groups:
             bad = g.changed_param()
