@@ -101,6 +101,17 @@ def ddp_equal_pieces(rank, ws):
         assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "DDP wrote the pieces"
 
 
+def fully_shard(rank, ws):
+    from torch.distributed.fsdp import fully_shard as fsdp2
+    _train(fsdp2(_sharded()), rank, ws)
+
+
+def dcp_get_model_state_dict(rank, ws):
+    """torch.distributed.checkpoint's state-dict helper would hand DCP the pieces as if whole."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    get_model_state_dict(_sharded())
+
+
 def accelerate_prepare_model(rank, ws):
     from accelerate import Accelerator
     accelerator = Accelerator(cpu=True)
@@ -230,10 +241,13 @@ DDP = "DistributedDataParallel around this"
 OTHERS_PIECES = "are 1-D pieces of a sharded model"
 MOVED = "was removed from its module after shardwise.shard()"
 DEEPCOPY = "copy.deepcopy() of a sharded model"
+COMPOSABLE = "torch.distributed's fully_shard, replicate and the FSDP"
 
 ROWS = [
     Row("DistributedDataParallel(model)", ddp, DDP),
     Row("DistributedDataParallel, pieces of equal sizes", ddp_equal_pieces, DDP),
+    Row("fully_shard(model)", fully_shard, COMPOSABLE),
+    Row("DCP get_model_state_dict(model)", dcp_get_model_state_dict, COMPOSABLE),
     Row("accelerate prepare(model, optimizer)", accelerate_prepare_model, DDP),
     Row("accelerate prepare(optimizer) + clip_grad_norm_", accelerate_prepare_optimizer),
     Row("state_dict per rank, load_state_dict", state_dict_per_rank),
