@@ -44,6 +44,7 @@ from shardwise.engine.flat_group import FlatGroup
 from shardwise.engine.mixed_precision import cast_floating
 from shardwise.engine.nested import iter_tensors
 from shardwise.engine.plan import UnitPlan
+from shardwise.engine.wrapper_refusal import refuse_deepcopy, refuse_pickle
 
 if TYPE_CHECKING:
     from shardwise.engine.runtime import ModelRuntime
@@ -123,6 +124,9 @@ class Frame:
 
 class Unit:
     """Runtime state of one unit: its flat groups, its entry frames and its bindings."""
+
+    # The first engine object copy.deepcopy(model) / torch.save(model) reach (through module hooks).
+    __deepcopy__, __reduce_ex__ = refuse_deepcopy, refuse_pickle
 
     def __init__(self, plan: UnitPlan, groups: list[FlatGroup], runtime: "ModelRuntime"):
         self.plan = plan

@@ -220,6 +220,10 @@ def ema_by_deepcopy(rank, ws):
     copy.deepcopy(_sharded())
 
 
+def pickle_whole_model(rank, ws):
+    torch.save(_sharded(), io.BytesIO())
+
+
 def averaged_model(rank, ws):
     torch.optim.swa_utils.AveragedModel(_sharded())
 
@@ -263,6 +267,7 @@ ROWS = [
     Row("eval() forward, then train()", after_shard(eval_then_train)),
     Row("copy.deepcopy (EMA)", ema_by_deepcopy, DEEPCOPY),
     Row("swa_utils.AveragedModel", averaged_model, DEEPCOPY),
+    Row("torch.save(model) (the whole module)", pickle_whole_model, "torch.save(model) / pickle of a sharded model"),
 ]
 SLOW_ROWS = [Row("torch.compile(model)", compiled)]  # compiling costs ~20 s of CPU per rank
 
