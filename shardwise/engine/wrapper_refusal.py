@@ -15,7 +15,7 @@ FSDP2's ``fully_shard`` and the composable ``replicate`` would shard or broadcas
 whose pieces differ in size abort in gloo); FSDP's and ``torch.distributed.checkpoint.state_dict``'s
 helpers walk the same registry and would treat the pieces as whole tensors. They all ask the module's
 composable-API registry first (``_composable/contract.py``), so there we put a registry whose membership
-test raises (see ``_composable_registry_key``).
+test for those two APIs raises (see ``_composable_registry_key``); composable ``checkpoint`` still applies.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch.nn as nn
 from shardwise.errors import ShardwiseError
 
 ATTR = "_ddp_params_and_buffers_to_ignore"
+SHARDING_APIS = ("fully_shard", "replicate")  # the composable APIs that would shard or replicate the pieces
 
 
 class _RefuseDDP:
@@ -53,6 +54,8 @@ class _RefuseComposable(dict):
         self.module_name = module_name
 
     def __contains__(self, key):
+        if key not in SHARDING_APIS:  # composable checkpoint() and others compose with a sharded model
+            return super().__contains__(key)
         raise ShardwiseError(
             f"torch.distributed's fully_shard, replicate and the FSDP / torch.distributed.checkpoint.state_dict "
             f"helpers (asked for {key!r}) cannot be used on this {self.module_name}, which shardwise.shard() "

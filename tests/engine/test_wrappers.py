@@ -196,15 +196,24 @@ def after_shard(fn):
     return run
 
 
+def composable_checkpoint(model):  # torch.distributed._composable.checkpoint composes (not a sharding API)
+    from torch.distributed._composable import checkpoint
+    for block in model.blocks:
+        checkpoint(block)
+
+
 def prune_head(model):
     import torch.nn.utils.prune as prune
     prune.l1_unstructured(model.lm_head, "weight", amount=0.3)
 
 
-def zero_biases(model):  # model.apply(init) with a deterministic init
+def deterministic_init(model):  # model.apply(init) with inits that do not draw random numbers
     def init(m):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
+        if isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.constant_(m.bias, 0.1)
     model.apply(init)
 
 
@@ -226,6 +235,21 @@ def pickle_whole_model(rank, ws):
 
 def averaged_model(rank, ws):
     torch.optim.swa_utils.AveragedModel(_sharded())
+
+
+def hf_trainer(rank, ws):
+    """Hugging Face Trainer given a sharded model: it prepares the model with Accelerate, i.e. DDP."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2)
+    model = shardwise.shard(LlamaForCausalLM(config))
+    data = [{"input_ids": torch.randint(0, 64, (8,)), "labels": torch.randint(0, 64, (8,))} for _ in range(4)]
+    import tempfile
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=1, report_to=[],
+                                 use_cpu=True, save_strategy="no")
+        Trainer(model=model, args=args, train_dataset=data).train()
 
 
 def compiled(rank, ws):
@@ -263,13 +287,15 @@ ROWS = [
     Row("spectral_norm after shard", after_shard(lambda m: torch.nn.utils.parametrizations.spectral_norm(m.lm_head)),
         MOVED),
     Row("prune after shard", after_shard(prune_head), MOVED),
-    Row("model.apply(zeros_ init) after shard", after_shard(zero_biases)),
+    Row("composable checkpoint(block) after shard", after_shard(composable_checkpoint)),
+    Row("model.apply(zeros_/ones_/constant_ init) after shard", after_shard(deterministic_init)),
     Row("eval() forward, then train()", after_shard(eval_then_train)),
     Row("copy.deepcopy (EMA)", ema_by_deepcopy, DEEPCOPY),
     Row("swa_utils.AveragedModel", averaged_model, DEEPCOPY),
     Row("torch.save(model) (the whole module)", pickle_whole_model, "torch.save(model) / pickle of a sharded model"),
 ]
-SLOW_ROWS = [Row("torch.compile(model)", compiled)]  # compiling costs ~20 s of CPU per rank
+# Compiling costs ~20 s of CPU per rank, importing Trainer a few seconds.
+SLOW_ROWS = [Row("torch.compile(model)", compiled), Row("Hugging Face Trainer(model)", hf_trainer, DDP)]
 
 
 # ---- running the table ------------------------------------------------------------------------------------
