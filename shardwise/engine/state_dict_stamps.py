@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from shardwise.engine import agree
+from shardwise.engine.dcp_pieces import mark_pieces
 from shardwise.engine.state_dict import _entries
 
 STAMP = "shardwise_pieces"  # the key in the root's state-dict metadata
@@ -35,6 +36,7 @@ def install(model: nn.Module, runtime) -> None:
 
     def add_stamp(module, state_dict, prefix, local_metadata):
         local_metadata[STAMP] = stamp
+        mark_pieces(model, state_dict, prefix)  # torch.distributed.checkpoint refuses the pieces (dcp_pieces.py)
 
     def check_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         problem = _take_pieces(model, runtime, state_dict, prefix, local_metadata.get(STAMP), stamp)

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint
 import torch.nn as nn
 
 import shardwise
@@ -110,6 +111,24 @@ def dcp_get_model_state_dict(rank, ws):
     """torch.distributed.checkpoint's state-dict helper would hand DCP the pieces as if whole."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     get_model_state_dict(_sharded())
+
+
+def dcp_round_trip(strategy: str):
+    """torch.distributed.checkpoint's save and load of ``model.state_dict()``, then training on."""
+    def run(rank, ws):
+        import tempfile
+        import torch.distributed.checkpoint as dcp
+        model = _train(_sharded(strategy), rank, ws)
+        where = tempfile.mkdtemp() if rank == 0 else None
+        box = [where]
+        dist.broadcast_object_list(box, src=0)
+        dcp.save({"model": model.state_dict()}, checkpoint_id=box[0])
+        fresh = _sharded(strategy)
+        state = {"model": fresh.state_dict()}
+        dcp.load(state, checkpoint_id=box[0])
+        fresh.load_state_dict(state["model"])
+        return _train(fresh, rank, ws), _train(_reference(), 0, 1)
+    return run
 
 
 def accelerate_prepare_model(rank, ws):
@@ -263,6 +282,7 @@ class Row:
     name: str
     run: Callable
     expect: Optional[str] = None  # None: exact; text: the ShardwiseError's text on every rank
+    wrapped_by: Optional[str] = None  # the exception type a library raises with our error's text inside
 
 
 DDP = "DistributedDataParallel around this"
@@ -276,6 +296,10 @@ ROWS = [
     Row("DistributedDataParallel, pieces of equal sizes", ddp_equal_pieces, DDP),
     Row("fully_shard(model)", fully_shard, COMPOSABLE),
     Row("DCP get_model_state_dict(model)", dcp_get_model_state_dict, COMPOSABLE),
+    # DCP gathers every rank's planning error into its own CheckpointException, raised on every rank.
+    Row("DCP save of model.state_dict()", dcp_round_trip("full_shard"), "torch.distributed.checkpoint of",
+        wrapped_by="CheckpointException"),
+    Row("DCP save and load of model.state_dict(), no_shard", dcp_round_trip("no_shard")),
     Row("accelerate prepare(model, optimizer)", accelerate_prepare_model, DDP),
     Row("accelerate prepare(optimizer) + clip_grad_norm_", accelerate_prepare_optimizer),
     Row("state_dict per rank, load_state_dict", state_dict_per_rank),
@@ -304,7 +328,8 @@ def _attempt(row: Row, rank: int, ws: int) -> dict:
         out = row.run(rank, ws)
     except ShardwiseError as e:
         return {"shardwise_error": str(e)}
-    except Exception as e:  # noqa: BLE001 - compared by the test
+    except (Exception, torch.distributed.checkpoint.api.CheckpointException) as e:  # noqa: BLE001 - compared
+        # by the test (DCP's CheckpointException is a BaseException)
         return {"other_error": f"{type(e).__name__}: {e}"}
     if out is None:
         return {}
@@ -323,6 +348,11 @@ def _report(ws: int, slow: bool = False) -> list:
 
 def _check(results: list, row: Row) -> None:
     for rank, out in enumerate(r[row.name] for r in results):
+        if row.wrapped_by is not None:
+            text = out.get("other_error", "")
+            assert text.startswith(row.wrapped_by) and f"ShardwiseError: {row.expect}" in text, (
+                f"rank {rank}: expected {row.wrapped_by} around ShardwiseError {row.expect!r}, got {out}")
+            continue
         if row.expect is not None:
             text = out.get("shardwise_error")
             assert text is not None and row.expect in text, (
