@@ -9,9 +9,12 @@ shard with bf16 mixed precision and activation checkpointing, and train with Ada
 QLoRA run quantises the base on load (each rank only its bytes). One process per rank (gloo, one thread
 each, as in compare_cpu.py).
 
-Memory: per rank, ``ru_maxrss`` at the end minus the RSS right before the model is built (imports and the
-process group excluded), against ``estimate-memory --device cpu`` for the same configuration (the planner
-counts live tensor bytes, not the allocator's or Python's own).
+Memory: per rank, the peak RSS (VmHWM) of each phase of a timed step -- forward, backward, optimizer step,
+reset between them through /proc/self/clear_refs -- less the RSS once the model is built on meta (so the
+libraries it imports, ~0.2 GB, are not counted and neither is the load's own peak), against ``estimate-memory
+--device cpu`` for the same configuration. The planner counts live bytes; run with
+``MALLOC_MMAP_THRESHOLD_=65536`` to make RSS track them (glibc then returns every freed block of 64 KiB or
+more at once), without it RSS also holds what glibc keeps of freed blocks.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -66,6 +68,40 @@ def current_rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_rss() -> int:
+    """VmHWM: the most this process has had resident since it started or since ``reset_peak_rss``."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def reset_peak_rss() -> None:
+    """Start VmHWM afresh from the current RSS (Linux >= 4.0: "5" to clear_refs), so a step's peak is not
+    the load's."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def quantised_bytes(model) -> tuple[int, int]:
+    """(this rank's uint8 shard bytes: the 4-bit base's packed data and scales, padding included; every
+    QuantLinear's stored bytes in all, unsharded)."""
+    from shardwise.engine.runtime import STATE_ATTR
+    from shardwise.quant.linear import QuantLinear
+
+    runtime = getattr(model, STATE_ATTR)
+    mine = sum(g.shard.numel() for u in runtime.units for g in u.flat_groups if g.shard.dtype == torch.uint8)
+    every = sum(sum(m.layout.nbytes().values()) for m in model.modules() if isinstance(m, QuantLinear))
+    return mine, every
+
+
+def record_peak(phases: dict, name: str, baseline: int, timed: bool) -> None:
+    """The peak RSS since the last reset (less ``baseline``) as ``phases[name]`` (the largest over the timed
+    steps), then reset, so each phase of a step reports its own peak."""
+    if timed:
+        phases[name] = max(phases.get(name, 0), peak_rss() - baseline)
+    reset_peak_rss()
+
+
 def count_gathers(counts: dict):
     """Count the bytes every all-gather delivers to this rank, by dtype (patches the engine's collectives)."""
     from shardwise.engine import collectives
@@ -92,7 +128,6 @@ def worker(rank: int, world: int, init: str, model_dir: str, mode: str, args, ou
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=1800))
-    baseline = current_rss()
     q = shardwise.QuantSettings("nf4", True) if mode == "qlora" else None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16)
@@ -103,12 +138,19 @@ def worker(rank: int, world: int, init: str, model_dir: str, mode: str, args, ou
     for p in model.parameters():  # adapters: fp32 masters (peft made them in the meta model's bf16)
         if p.requires_grad:
             p.data = p.data.float()
+    # The baseline: the model built on meta (no tensor data yet), so every library it needs (transformers'
+    # modelling code, peft: ~0.2 GB of RSS) is already loaded and not counted as the model's memory.
+    baseline = current_rss()
     mp = shardwise.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     shardwise.shard(model, mixed_precision=mp, activation_checkpointing=True,
                     param_init_fn=lora_param_init_fn(model, shardwise.skip_weight_init(model)))
+    rss_after_shard = current_rss()
     t0 = time.perf_counter()
     shardwise.load_pretrained(model, model_dir, rename=pretrained_name, quantization=q)
     load_s = time.perf_counter() - t0
+    phases = {"built_and_sharded": rss_after_shard - baseline, "loaded": current_rss() - baseline,
+              "load_peak": peak_rss() - baseline}
+    phases["base_bytes"], phases["all_base_bytes"] = quantised_bytes(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     g = torch.Generator().manual_seed(rank)
     counts: dict = {}
@@ -117,17 +159,23 @@ def worker(rank: int, world: int, init: str, model_dir: str, mode: str, args, ou
         x = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=g)
         if step == args.warmup:
             count_gathers(counts)
+            phases["after_warmup"] = current_rss() - baseline
+        timed_step = step >= args.warmup
         t = time.perf_counter()
+        reset_peak_rss()
         logits = model(input_ids=x[:, :-1], use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+        record_peak(phases, "forward_peak", baseline, timed_step)
         loss.backward()
+        record_peak(phases, "backward_peak", baseline, timed_step)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        record_peak(phases, "optimizer_peak", baseline, timed_step)
         times.append(time.perf_counter() - t)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    phases["step_peak"] = max(phases["forward_peak"], phases["backward_peak"], phases["optimizer_peak"])
     timed = times[args.warmup:]
     report = {"mode": mode, "rank": rank, "step_s": sorted(timed)[len(timed) // 2], "load_s": load_s,
-              "peak_delta": peak - baseline, "gathered_per_step": {k: v / len(timed) for k, v in counts.items()},
+              "peak_delta": phases["step_peak"], "phases": phases, "gathered_per_step": {k: v / len(timed) for k, v in counts.items()},
               "loss": loss.item()}
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(report, f)
@@ -177,10 +225,13 @@ def main() -> None:
         reports = run(mode, model_dir, args)
         planned = planner_total(model_dir, mode, args)
         peak = max(r["peak_delta"] for r in reports)
+        for r in reports:
+            print(f"{mode} rank {r['rank']}: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in r["phases"].items()),
+                  flush=True)
         gathered = reports[0]["gathered_per_step"]
         rows.append((mode, max(r["step_s"] for r in reports), max(r["load_s"] for r in reports), peak, planned,
                      gathered))
-    print("| run | step s (median, slowest rank) | load s | peak per rank GB (measured) | planner GB | "
+    print("| run | step s (median, slowest rank) | load s | step peak per rank GB (VmHWM) | planner GB | "
           "measured / planner | all-gathered per rank per step |")
     print("|---|---|---|---|---|---|---|")
     for mode, step, load, peak, planned, gathered in rows:

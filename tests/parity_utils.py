@@ -174,6 +174,59 @@ def reference_run(model: nn.Module, optimizer: str, loss_fn: LossFn, batches: Se
     return {"losses": losses, "norms": norms, "states": states}
 
 
+def low_precision_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``model`` whose floating-point *parameters* are in ``dtype`` (what a mixed-precision policy
+    gathers and computes with); buffers and integer parameters (4-bit bytes) are left as they are, as the
+    engine leaves them."""
+    low = copy.deepcopy(model)
+    for p in low.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    return low
+
+
+def cast_step(master: nn.Module, x: torch.Tensor, y: torch.Tensor, world_size: int,
+              reduce_dtype: Optional[torch.dtype], loss_fn: LossFn, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Set the gradients of ``master``'s trainable parameters as a mixed-precision run computes them from a
+    ``dtype`` copy (``low_precision_copy``); return the loss. ``reduce_dtype=None``: the copy runs the whole
+    global batch. Otherwise it runs each rank's slice separately, and the slices' gradients are averaged in
+    ``reduce_dtype`` exactly as a mixed-precision policy promises (sums in rank order; low-precision sums
+    are divided first): the reference then rounds where the sharded run rounds. Frozen parameters get no
+    gradient, as in the sharded run."""
+    slices = [(x, y)] if reduce_dtype is None else [(local_slice(x, r, world_size), local_slice(y, r, world_size))
+                                                      for r in range(world_size)]
+    grads, loss = None, 0.0
+    for xs, ys in slices:
+        low = low_precision_copy(master, dtype)
+        part = loss_fn(low, xs, ys)
+        part.backward()
+        g = [q.grad.to(reduce_dtype or torch.float32) for q in low.parameters() if q.requires_grad]
+        if reduce_dtype is not None and reduce_dtype.itemsize < 4:
+            g = [t / world_size for t in g]
+        grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        loss = loss + part.detach() / len(slices)
+    if reduce_dtype is not None and reduce_dtype.itemsize >= 4:
+        grads = [t / world_size for t in grads]
+    for p, g in zip([p for p in master.parameters() if p.requires_grad], grads):
+        p.grad = g.float()
+    return loss
+
+
+def cast_reference(initial: nn.Module, batches: Sequence, world_size: int, reduce_dtype: Optional[torch.dtype],
+                   loss_fn: LossFn, *, optimizer: str = "sgd", dtype: torch.dtype = torch.bfloat16) -> tuple:
+    """Train an fp32 master on ``cast_step``'s gradients; returns (losses, master after each step)."""
+    master = copy.deepcopy(initial)
+    opt = make_optimizer(optimizer, [p for p in master.parameters() if p.requires_grad])
+    losses, states = [], []
+    for x, y in batches:
+        loss = cast_step(master, x, y, world_size, reduce_dtype, loss_fn, dtype)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        states.append(copy.deepcopy(master))
+    return losses, states
+
+
 def sharded_run(model: nn.Module, optimizer: str, loss_fn: LossFn, batches: Sequence, rank: int, world_size: int,
                 *, reference_states: Sequence[nn.Module] = (), max_norm: float | None = None) -> dict:
     """Train a sharded ``model`` on this rank's slice of each global batch.

@@ -21,17 +21,22 @@ Two ways to carry the fingerprint:
   reports). The ranks compare in one tiny all-gather of (call count, hash, log length) on a dedicated gloo
   group, on the CPU, at *compare points*: the first out-of-band collective of every phase (a forward, a
   backward, a call outside steps: the compare includes that collective and comes before it is issued), at
-  the end of backward after the last reduce-scatter's wait (so no gradient reaches an optimizer before
-  the ranks agreed, a post-accumulate-grad hook included), and at every ``check_now``. That is three
-  exchanges per training step whatever the number of units, where a per-collective exchange made ~240
-  CPU barriers a step for an 80-layer model. Only when the hashes differ (the rare path) do the ranks
-  exchange their logs and every rank raises the same error naming the first collective where they part.
+  the end of every forward, with or without grad (before its outputs reach the caller: a forward under
+  grad need not be followed by a backward), at the end of backward after the last reduce-scatter's wait
+  (so no gradient reaches an optimizer before the ranks agreed, a post-accumulate-grad hook included),
+  and at every ``check_now``. That is four exchanges per training step whatever the number of units,
+  where a per-collective exchange made ~240 CPU barriers a step for an 80-layer model. Only when the
+  hashes differ (the rare path) do the ranks exchange their logs and every rank raises the same error
+  naming the first collective where they part.
   Ranks that part *between* compare points may meet in mismatched native collectives: same sizes
   complete with mixed data (caught at the next compare, before any optimizer step), others hang, and a
   hang is the stall watchdog's (watchdog.py): after ``watchdog.PROBE_S`` seconds in a wait it has every
-  rank post its log to the c10d store and, if they show ranks that parted, every waiting rank raises the
-  same disagreement; else it reports who is behind at the stall threshold. gloo's native collectives
-  abort the process outright when the *sizes* differ ("Received data size doesn't match"); two ranks
+  rank post its log and its ring to the c10d store and, if they show ranks that parted (two logs, or two
+  rings, holding different fingerprints for the same call), every waiting rank raises the same
+  disagreement; else it reports who is behind at the stall threshold. The rings are what names a
+  ``check_now`` made by one rank alone while the others gather in band (``if rank == 0:
+  print(p.grad.norm())`` under gloo's default): in-band fingerprints are never logged. gloo's native
+  collectives abort the process outright when the *sizes* differ ("Received data size doesn't match"); two ranks
   calling units of different sizes at a compare point are named before that can happen.
 
 Either way, mixed-up data never reaches the weights: an in-band table is checked before the collective's
@@ -57,7 +62,8 @@ from shardwise.engine import collectives, flags, watchdog
 from shardwise.errors import ShardwiseError
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast_buffers", "clip_grad_norm", "state_dict",
-       "summon_full_params", "checkpoint", "kept_copy_agreement")
+       "summon_full_params", "checkpoint", "kept_copy_agreement", "grad_reduction",
+       "optimizer_state_check")
 MODEL = 256**3 - 1  # the unit field of a collective that belongs to the model as a whole, not to one unit
 PHASES = ("idle", "forward", "backward")
 
@@ -140,7 +146,8 @@ class CollectiveChecker:
         state dicts, checkpoint agreement). Blocking, and on the side group whose exchange has the same size
         whatever each rank is about to do: two ranks calling different collectives of different sizes would
         otherwise meet in one collective that gloo aborts ("Received data size doesn't match") before any
-        fingerprint could be read. One tiny exchange per call; these calls are rare (at most once a step)."""
+        fingerprint could be read. One tiny exchange per call; these calls are rare (a few a step at most:
+        clipping, a GradScaler's inf check, a logged gradient norm)."""
         if self.group is None:
             return
         values = self._fingerprint(op, unit, group, numel)
@@ -223,6 +230,8 @@ class CollectiveChecker:
     def _describe(self, v: Sequence[int]) -> str:
         seq, op, unit, group, numel, phase = v
         what = OPS[op] if 0 <= op < len(OPS) else f"operation #{op}"
+        if what == "grad_reduction":  # shard_grad._combine: user code reducing over sharded gradients
+            what = "grad_reduction (p.grad.norm(), .sum(), clip_grad_norm_, GradScaler: every rank must call it)"
         phase_name = PHASES[phase] if 0 <= phase < len(PHASES) else f"phase #{phase}"
         if unit == MODEL:
             return f"{what} of the model ({numel} elements, {phase_name}, call {seq})"
@@ -291,6 +300,8 @@ def _diagnose(rings: dict[int, dict]) -> tuple[str | None, list[str]]:
         if found is None and len(full) == len(per_rank) and len(per_rank) > 1:
             logs = {r: v["log"] for r, v in per_rank.items()}
             found = c.first_difference(logs) if _definite(logs) else None
+        if found is None and len(per_rank) > 1:
+            found = _ring_difference(c, per_rank)
         latest = {r: v["ring"][-1] for r, v in per_rank.items() if v["ring"]}
         if len({v[0] for v in latest.values()}) > 1:  # who is behind: the ranks with the fewest calls
             low = min(v[0] for v in latest.values())
@@ -302,6 +313,23 @@ def _diagnose(rings: dict[int, dict]) -> tuple[str | None, list[str]]:
             if last:
                 lines.append(f"rank {r}'s last collectives: " + "; ".join(c._describe(v) for v in last))
     return found, lines
+
+
+def _ring_difference(checker: CollectiveChecker, per_rank: dict[int, dict]) -> str | None:
+    """The disagreement the rings prove where the logs cannot (in-band collectives are never logged): two
+    ranks whose rings hold the same call number with different fingerprints parted there. A rank whose
+    ring ends before that call has not issued it; one whose ring starts after it is left out."""
+    by_call: dict[int, dict[int, tuple]] = {}
+    for r, v in per_rank.items():
+        for row in v["ring"]:
+            by_call.setdefault(row[0], {})[r] = tuple(row)
+    for seq in sorted(by_call):
+        at = by_call[seq]
+        if len(set(at.values())) > 1:
+            rows = {r: at.get(r) for r, v in per_rank.items()
+                    if r in at or not v["ring"] or v["ring"][-1][0] < seq}
+            return checker._disagreement(rows)
+    return None
 
 
 def _definite(logs: dict[int, list]) -> bool:

@@ -204,6 +204,8 @@ class FlatGroup:
     def attach_checker(self, checker: CollectiveChecker, unit_index: int, group_index: int) -> None:
         """Fingerprint every collective of this group from now on (group_fingerprint.py)."""
         self.ids = (unit_index, group_index)
+        if self.grad_key:  # the gradients' own reductions (p.grad.norm()) are checked by this model's checker
+            self.grad_key = register_group(self.pgs.shard, self.device, checker)
         self.fingerprint = GroupFingerprint(checker, self.ids, self.pgs, self.device, self.param_dtype,
                                             self.all_reduce_grads)
         if not self.aliases_shard:

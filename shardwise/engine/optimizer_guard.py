@@ -157,7 +157,9 @@ def verify_state(optimizer, guard: _Guard) -> None:
         if problem is not None and not first_bad:
             first_bad, why = i + 1, problem  # (the loop goes on: every entry's stamp is removed)
     verdict = torch.tensor([first_bad], dtype=torch.int64)
-    for pg, device in _shard_groups(guard):
+    for pg, device, checker in _shard_groups(guard):
+        if checker is not None:  # a rank stepping alone is named, not paired with another rank's collective
+            checker.check_now("optimizer_state_check", 1)
         flag = verdict.to(device)
         collectives.run_and_wait(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=pg,
                                  what="the optimizer-state ownership check")
@@ -177,13 +179,14 @@ def verify_state(optimizer, guard: _Guard) -> None:
 
 def _shard_groups(guard: _Guard) -> list:
     """The process groups over which the verdict is agreed: the shard and replicate groups of the
-    parameters' models (every rank that steps them; MAX over one, then the other, is MAX over all)."""
+    parameters' models (every rank that steps them; MAX over one, then the other, is MAX over all), each
+    with the device and the fingerprint checker of its model."""
     seen, out = set(), []
     for _i, _p, group, _gi in guard.pieces:
         for pg in (group.pgs.shard, group.pgs.replicate):
             if pg is not None and id(pg) not in seen:
                 seen.add(id(pg))
-                out.append((pg, group.device))
+                out.append((pg, group.device, group.checker))
     return out
 
 

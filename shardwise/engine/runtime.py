@@ -102,10 +102,11 @@ class ModelRuntime:
             for u in self.units:  # a prefetched unit that did not run must not stay gathered
                 if not u.frames:
                     u.reshard()
-            if self.checker is not None:
-                # No backward follows (eval, generate): under native collectives this forward's out-of-band
-                # fingerprints are compared now, before its outputs reach the caller (free in band).
-                self.checker.agree("the consistency exchange at the end of a forward without grad")
+        if self.checker is not None:
+            # Under native collectives this forward's out-of-band fingerprints are compared now, before its
+            # outputs reach the caller (free in band: nothing was logged). With grad too: a backward may never
+            # follow (a metric computed under grad, then zero_grad()), and its compare would come too late.
+            self.checker.agree("the consistency exchange at the end of a forward")
 
     def abandon_forward(self) -> None:
         """The top-level forward raised: its graph is gone, so no backward will come for what it ran."""

@@ -12,7 +12,10 @@ tensor subclass over the same memory), and its ``__torch_function__`` decides pe
   dimension, ``any``, ``all``, ``count_nonzero``), ``dot``, and the inf/nan check of ``torch.amp.GradScaler``:
   the local result is reduced over the parameter's shard group (one collective per call; one per dtype
   group for ``clip_grad_norm_``, which takes the foreach path because ``ShardGrad`` is registered as a
-  foreach type the way torch registers ``DTensor``). Every rank must make the call, as with any collective.
+  foreach type the way torch registers ``DTensor``). Every rank must make the call, as with any collective;
+  the ranks first agree on it through the model's fingerprint exchange (``_combine``), so a call made on one
+  rank only (``if rank == 0: print(p.grad.norm())``) is a ``ShardwiseError`` on every rank, not a hang or
+  a sum paired with another rank's next collective.
 - **follows the piece**: ``detach``, ``.data``, dtype/device casts, ``clone``, element-wise maths (``abs``,
   ``pow``, ``mul``...), ``view(-1)``/``flatten`` and ``cat`` return a ``ShardGrad`` again, so
   ``p.grad.data.float().pow(2).sum()`` and ``parameters_to_vector(grads).norm()`` are exact too.
@@ -27,6 +30,7 @@ Inside shardwise (our own ``clip_grad_norm_``, which sums norms itself) ``local_
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -38,17 +42,27 @@ from shardwise.errors import ShardwiseError
 # key -> (shard process group, device its collectives run on); a key, not the group, rides on each tensor:
 # tensors get deep-copied and pickled, process groups cannot be.
 _GROUPS: dict[int, tuple] = {}
+# key -> weak reference to the fingerprint.CollectiveChecker of the model whose gradients carry the key.
+_CHECKERS: dict[int, weakref.ref] = {}
 
 
-def register_group(group: dist.ProcessGroup, device: torch.device) -> int:
-    """The key under which gradient pieces of ``group`` find it (one key per process group and device)."""
+def register_group(group: dist.ProcessGroup, device: torch.device, checker=None) -> int:
+    """The key under which gradient pieces of ``group`` find it (one key per process group, device and
+    model checker: ``checker`` fingerprints the reductions, see ``_combine``)."""
     for key, (g, d) in _GROUPS.items():
-        if g is group and d == device:
+        if g is group and d == device and _checker(key) is checker:
             return key
     key = len(_GROUPS) + 1
     _GROUPS[key] = (group, device)
+    if checker is not None:
+        _CHECKERS[key] = weakref.ref(checker)
     _register_foreach_type()
     return key
+
+
+def _checker(key: int):
+    ref = _CHECKERS.get(key)
+    return ref() if ref is not None else None
 
 
 def as_shard_grad(piece: torch.Tensor, key: int) -> torch.Tensor:
@@ -122,9 +136,18 @@ def _group(key: int) -> tuple:
 
 
 # ---- exact reductions ------------------------------------------------------------------------------------
+_HOW = ("sum", "max", "min")  # the reduce op, in the fingerprint's group field
+
+
 def _combine(values: torch.Tensor, key: int, how: str, what: str) -> torch.Tensor:
-    """Reduce per-piece partial results (a 1-D float tensor) over the key's shard group."""
+    """Reduce per-piece partial results (a 1-D float tensor) over the key's shard group: every exact
+    reduction goes through here. The call is user code's, outside the unit schedule, so the ranks agree on
+    it first (``check_now``, on the side group whatever each rank does next): a rank calling alone meets
+    the others' next compare, or the stall watchdog's probe, and every rank raises the disagreement."""
     group, device = _group(key)
+    checker = _checker(key)
+    if checker is not None:
+        checker.check_now("grad_reduction", values.numel(), group=_HOW.index(how))
     buf = values.to(device=device, dtype=torch.float64 if values.dtype == torch.float64 else torch.float32)
     op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[how]
     collectives.run_and_wait(dist.all_reduce, buf, op=op, group=group, what=what)

@@ -40,11 +40,12 @@ Threshold, ``SHARDWISE_STALL_S``:
 Every rank's line also carries its recent collectives (``fingerprint._rings``: the last ``RING``
 fingerprints, and the out-of-band log not yet compared), read by the watchdog thread only when a report is
 made: the report shows each rank's last few collectives, names the ranks that are behind (fewest calls),
-and if the logs show two ranks that sent different fingerprints for the same call, the verdict is to raise
-that disagreement, whatever the threshold. Under native collectives (out-of-band logs pending) a wait
-longer than ``PROBE_S`` starts a *quiet probe* (at most one per ``PROBE_EVERY_S`` per rank): the same
-exchange, printed and raised only if it proves a disagreement, so ranks that parted between two compare
-points and hang are named within seconds instead of at the stall threshold.
+and if the logs (or the rings, which also hold in-band fingerprints) show two ranks that sent different
+fingerprints for the same call, the verdict is to raise that disagreement, whatever the threshold. Under
+native collectives, or with a ``check_now`` pending (out-of-band logs not yet compared), a wait longer
+than ``PROBE_S`` starts a *quiet probe* (at most one per ``PROBE_EVERY_S`` per rank): the same exchange,
+printed and raised only if it proves a disagreement, so ranks that parted between two compare points and
+hang are named within seconds instead of at the stall threshold.
 
 The verdict is also *report only* when every rank is waiting in the same collective: that one is slow,
 not out of step. Without a store (``_default_store`` below) the report is this rank's own line only.
@@ -121,6 +122,7 @@ class _State:
         self.off = False
         self.stalled: Optional[str] = None  # the wait that raised a stall: every later unfinished wait fails at once
         self.probed = 0.0  # when this rank last started a probe
+        self.reporting = False  # this rank's watchdog is taking part in a report (its verdict may raise here)
 
 
 _state = _State()
@@ -238,7 +240,10 @@ def _raise_stall(s: _State, wid: int, what: What, linger_s: float) -> None:
     """Raise the stall report for wait ``wid`` if the watchdog has one; wait up to ``linger_s`` for it when
     this wait is past the threshold (the report is being gathered)."""
     thr = threshold()[0]
-    deadline = time.monotonic() + (linger_s if thr is not None and time.monotonic() - s.since > thr else 0.0)
+    # Past the threshold, or while a report (a probe) is being made: a peer that read the verdict first may
+    # have raised and exited already, closing this wait's connection before this rank's verdict is posted.
+    due = s.reporting or (thr is not None and time.monotonic() - s.since > thr)
+    deadline = time.monotonic() + (linger_s if due else 0.0)
     while True:
         abort = s.abort
         if abort is not None and abort[0] == wid:
@@ -380,16 +385,20 @@ class _Watchdog:
         store.set(f"{_KEY}/{cur}/{rank}", line)
         self.handled = cur
         reported, s.reported = s.reported, now
-        if mine:
-            report = self.collect(store, cur, rank, world, thr, may_raise, quiet=probe)
-            store.set(f"{_KEY}/{cur}/report", json.dumps(report))
-            if report["raise"]:
-                time.sleep(0.5)  # before this rank raises (and exits, maybe with the store): let the others read it
-        else:
-            report = self.receive(store, cur, rank, line)
-        if report.get("quiet"):
-            s.reported = reported  # a probe that found nothing does not postpone the stall report
-        self.finish(report, rank, world)
+        s.reporting = True
+        try:
+            if mine:
+                report = self.collect(store, cur, rank, world, thr, may_raise, quiet=probe)
+                store.set(f"{_KEY}/{cur}/report", json.dumps(report))
+                if report["raise"]:
+                    time.sleep(0.5)  # before this rank raises (and exits, maybe with the store): others read it
+            else:
+                report = self.receive(store, cur, rank, line)
+            if report.get("quiet"):
+                s.reported = reported  # a probe that found nothing does not postpone the stall report
+            self.finish(report, rank, world)
+        finally:
+            s.reporting = False
 
     def collect(self, store, ep: int, rank: int, world: int, thr: float, may_raise: bool,
                 quiet: bool = False) -> dict:

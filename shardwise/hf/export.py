@@ -121,6 +121,8 @@ def export_main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"shardwise export: error: {e}", file=sys.stderr)
         return 2
     print(f"exported {src} -> {args.out} ({len(files)} file{'s' if len(files) != 1 else ''})")
+    if args.merge:
+        print(f"merged the adapters into {export_lora.merge_base_description(src, read_manifest(src), args.base)}")
     return 0
 
 

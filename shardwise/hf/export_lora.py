@@ -139,6 +139,19 @@ def merged_source(ckpt: Path, manifest: dict, files: dict[str, SafetensorsFile],
         yield layout, produce
 
 
+def merge_base_description(ckpt: Path, manifest: dict, base: os.PathLike | None) -> str:
+    """Which weights ``--merge`` adds the adapters to, for the command's output: the base the checkpoint
+    stores, or the high-precision weights of the base directory (a 4-bit run's base included: its
+    quantised copy is never what is merged)."""
+    record = manifest.get("frozen_base")
+    if record is None:
+        return f"the base weights stored in {ckpt}"
+    directory = Path(base) if base is not None else Path(record["source"])
+    held = f", in {record['dtype']} as the run held them" if record.get("dtype") else ""
+    quantised = " (the run trained over their 4-bit quantisation)" if record.get("quantization") else ""
+    return f"the high-precision weights of {directory}{held}{quantised}"
+
+
 def _checked_base_dir(ckpt: Path, record: dict, base: os.PathLike | None) -> Path:
     """The base directory of an adapter-only checkpoint, its weights' identity checked against the record."""
     from shardwise.hf.weight_files import identity_for

@@ -71,18 +71,20 @@ class ModelSpec:
         if self.weights_dir is not None:
             load_pretrained(model, self.weights_dir, quantization=quantization)
 
-    def frozen_base(self, recorded: Optional[dict] = None) -> Optional[dict]:
+    def frozen_base(self, recorded: Optional[dict] = None, quantization=None) -> Optional[dict]:
         """The record an adapter-only checkpoint keeps of its base (``checkpoint.frozen_base``): the weights
-        directory and their identity; None for a random base (config.json only), whose checkpoints must keep
-        the base itself, since no file could give it back. ``recorded``: the record of the checkpoint about
-        to be loaded (its identity may be the older, file-layout one: ``weight_files.identity_for``)."""
+        directory, their identity and, for a 4-bit base, its ``QuantSettings``; None for a random base
+        (config.json only), whose checkpoints must keep the base itself, since no file could give it back.
+        ``recorded``: the record of the checkpoint about to be loaded (its identity may be the older,
+        file-layout one: ``weight_files.identity_for``)."""
         if self.weights_dir is None:
             return None
         from shardwise.checkpoint.frozen_base import base_record
         from shardwise.hf.weight_files import identity_for
 
         identity = identity_for(self.weights_dir, recorded["weights_sha256"] if recorded else None)
-        return base_record(os.path.abspath(self.weights_dir), identity)
+        return base_record(os.path.abspath(self.weights_dir), identity,
+                           None if quantization is None else quantization.to_dict())
 
     def default_block_classes(self, model: nn.Module) -> set[type]:
         """The transformer block class(es): GPT's Block, or the HF model's ``_no_split_modules``."""

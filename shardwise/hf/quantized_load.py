@@ -31,8 +31,8 @@ from shardwise.engine import agree, collectives
 from shardwise.errors import ShardwiseError
 from shardwise.hf.weight_files import PretrainedWeights
 from shardwise.quant.codebooks import code_table, dynamic_map
-from shardwise.quant.format import (BLOCKSIZE, NESTED_BLOCKSIZE, Layout4bit, absmax_offset, num_blocks,
-                                    pack_nibbles, quantize_absmax, quantize_blocks)
+from shardwise.quant.format import (BLOCKSIZE, NESTED_BLOCKSIZE, Layout4bit, absmax_offset, block_absmax,
+                                    num_blocks, pack_nibbles, quantize_absmax, quantize_blocks)
 from shardwise.quant.experts import QUANT_MODULE_TYPES, QuantExpertMatrices
 from shardwise.quant.linear import QuantLinear
 
@@ -106,6 +106,7 @@ def unsharded_quant_targets(model, prefix: str) -> list[QuantTarget]:
 
 def match_quantised(targets: list[QuantTarget], weights: PretrainedWeights, to_model) -> set[str]:
     """Set each target's file key and kind, checking what the file declares; returns the file keys used."""
+    _check_config(weights, targets)
     by_name = {t.name + ".weight": t for t in targets}
     used: set[str] = set()
     for key in weights.where:
@@ -125,6 +126,24 @@ def match_quantised(targets: list[QuantTarget], weights: PretrainedWeights, to_m
         else:
             _check_high_precision(weights, t.key, t.module.layout)
     return used
+
+
+def _check_config(weights: PretrainedWeights, targets: list[QuantTarget]) -> None:
+    """A directory whose config.json declares a ``quantization_config`` must declare the model's 4-bit settings:
+    its tensors are checked against the model next, so a config that disagrees with them is refused either way,
+    and here by the file that says it."""
+    from shardwise.hf.quantization import QuantSettings
+
+    path = weights.directory / "config.json"
+    declared = QuantSettings.from_pretrained(weights.directory) if targets and path.is_file() else None
+    if declared is None:
+        return
+    layout = targets[0].module.layout
+    for option, says, built in (("bnb_4bit_quant_type", declared.quant_type, layout.quant_type),
+                                ("bnb_4bit_use_double_quant", declared.double_quant, layout.double_quant)):
+        if says != built:
+            raise ShardwiseError(f"{path}: quantization_config {option}={says!r}, but the model's 4-bit modules are "
+                                 f"{built!r}; the directory's tensors must be what its config says")
 
 
 def _check_high_precision(weights: PretrainedWeights, key: str, layout: Layout4bit) -> None:
@@ -235,8 +254,7 @@ def local_absmax(weights: PretrainedWeights, t: QuantTarget) -> None:
     lo, hi = min(rank * per, n), min((rank + 1) * per, n)
     t.absmax = torch.zeros(per, dtype=torch.float32)
     for start, stop, values in _chunks(weights, t.key, lo * BLOCKSIZE, min(hi * BLOCKSIZE, layout.numel)):
-        t.absmax[(start - lo * BLOCKSIZE) // BLOCKSIZE:][: num_blocks(stop - start)] = \
-            quantize_blocks(values, layout.quant_type)[1]
+        t.absmax[(start - lo * BLOCKSIZE) // BLOCKSIZE:][: num_blocks(stop - start)] = block_absmax(values)
 
 
 def gather_absmax(targets: list[QuantTarget]) -> None:
@@ -259,7 +277,8 @@ def quantise_pieces(weights: PretrainedWeights, t: QuantTarget) -> None:
             first = (2 * lo) // BLOCKSIZE * BLOCKSIZE
             last = min(-(-2 * hi // BLOCKSIZE) * BLOCKSIZE, layout.numel)
             for start, stop, values in _chunks(weights, t.key, first, last):
-                packed = pack_nibbles(quantize_blocks(values, layout.quant_type)[0])
+                absmax = t.absmax[start // BLOCKSIZE: num_blocks(stop)]  # known: no second abs-max pass
+                packed = pack_nibbles(quantize_blocks(values, layout.quant_type, absmax=absmax)[0])
                 a, b = max(lo, start // 2), min(hi, -(-stop // 2))
                 dst[a - lo: b - lo].copy_(packed[a - start // 2: b - start // 2])
         elif name == "absmax" and not layout.double_quant:

@@ -253,12 +253,15 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
 
     scratch = scratch_for(max(largest, root.gathered), max(widest.grad_flat, root.grad_flat))
     prof = _activations(inputs, cache, spec, model, plan, policy)
+    # The end of backward gathers nothing (the root stayed gathered since forward): its collective is the
+    # root's reduction or, for a root with nothing trainable (LoRA's frozen embeddings and head), the last
+    # block's still in flight.
     buffers = _Buffers(param_shard, grad_shard, optim_shard, gathered, root.gathered,
                        kept=gathered if strategy.keeps_params_gathered else 0,
                        block_reduce=reduce_bytes(widest) - pending * widest.grad_flat
                        + scratch_for(largest, widest.grad_flat),
                        pending_flats=pending * widest.grad_flat, pending_count=pending,
-                       root_reduce=reduce_bytes(root) + scratch_for(root.gathered, root.grad_flat),
+                       root_reduce=reduce_bytes(root) + scratch_for(0, root.grad_flat or widest.grad_flat),
                        largest_trainable_shard=max((_stored_bytes(g, g.shard_numel) for g in plan.groups()
                                                     if g.requires_grad), default=0))
     activations = prof.peak(inputs.activation_checkpointing)

@@ -11,8 +11,11 @@ from torch import nn
 from shardwise.engine.plan import ShardingPlan
 from shardwise.hf.quantization import QuantSettings, quantize_model
 from shardwise.quant.experts import QUANT_MODULE_TYPES
+from shardwise.quant.format import DEQUANT_CHUNK
 
-DEQUANT_CHUNK_BYTES = (1 << 22) * (4 + 4)  # Layout4bit.dequantize's fp32 values + int32 codes per chunk
+# Layout4bit.dequantize's temporaries for one chunk: fp32 values per element and an int32 index per packed
+# byte (two elements), beside the dequantised matrix itself.
+DEQUANT_CHUNK_BYTES = DEQUANT_CHUNK * 4 + (DEQUANT_CHUNK // 2) * 4
 
 
 def quantise_meta_model(model: nn.Module, quant_type: str, double_quant: bool, lora_r: int) -> None:

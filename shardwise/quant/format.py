@@ -34,12 +34,14 @@ from typing import Optional
 import torch
 
 from shardwise.errors import ShardwiseError
-from shardwise.quant.codebooks import check_quant_type, code_bounds, code_table, decode_table, dynamic_map
+from shardwise.quant.codebooks import (check_quant_type, code_bounds, code_table, decode_table, dynamic_map,
+                                      sorted_code_index)
 
 BLOCKSIZE = 64
 NESTED_BLOCKSIZE = 256
 _LUT_SIZE = 65536
 _TINY_ABSMAX = 1e-38  # bitsandbytes' clamp before taking the reciprocal
+DEQUANT_CHUNK = 1 << 20  # elements Layout4bit.dequantize decodes at a time
 
 
 @dataclass
@@ -87,28 +89,40 @@ def check_finite(w: torch.Tensor, name: str) -> None:
         raise ShardwiseError(f"{name}: cannot quantise to 4 bits: the tensor holds NaN or inf")
 
 
-def quantize_blocks(w: torch.Tensor, quant_type: str = "nf4", blocksize: int = BLOCKSIZE
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def block_absmax(w: torch.Tensor, blocksize: int = BLOCKSIZE) -> torch.Tensor:
+    """fp32 ``[blocks]``: each block's largest magnitude (``w`` flattened). A partial last block's is clamped
+    to >= 1e-38 as bitsandbytes stores it (a full block's is stored unclamped, 0.0 for an all-zero block)."""
+    flat = w.reshape(-1).float()
+    full = flat.numel() - flat.numel() % blocksize
+    absmax = flat[:full].view(-1, blocksize).abs().amax(dim=-1)
+    if full < flat.numel():
+        absmax = torch.cat([absmax, flat[full:].abs().amax().clamp(min=_TINY_ABSMAX).unsqueeze(0)])
+    return absmax
+
+
+def quantize_blocks(w: torch.Tensor, quant_type: str = "nf4", blocksize: int = BLOCKSIZE,
+                    absmax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """First-level quantisation of ``w`` (any shape, flattened): (4-bit codes uint8 ``[n]``, ``n`` rounded up
-    to even with the code of 0.0 as bitsandbytes pads; fp32 absmax ``[blocks]``). Blocks start at element 0 of ``w``, so a slice starting on a block boundary quantises to
-    the same codes and scales as the same elements inside the whole tensor."""
-    bounds, order = code_bounds(quant_type)
+    to even with the code of 0.0 as bitsandbytes pads; fp32 absmax ``[blocks]``). Blocks start at element 0
+    of ``w``, so a slice starting on a block boundary quantises to the same codes and scales as the same
+    elements inside the whole tensor. ``absmax``: the blocks' ``block_absmax`` when already known (loading
+    computes it first for double quantisation's offset)."""
     flat = w.reshape(-1).float()
     n = flat.numel()
     full = n - n % blocksize
-    whole = flat[:full].reshape(-1, blocksize)
-    absmax = whole.abs().max(dim=-1)[0] if full else flat.new_zeros(0)
-    scaled = torch.clamp(whole * (1.0 / absmax.clamp(min=_TINY_ABSMAX).view(-1, 1)), -1, 1).reshape(-1)
+    absmax = block_absmax(flat, blocksize) if absmax is None else absmax
+    # clamp(min=1e-38) as bitsandbytes does before the reciprocal; no clamp of the scaled values to [-1, 1]
+    # is needed: every midpoint lies inside, so the code of a value past +-1 is that of +-1.
+    scaled = (flat[:full].view(-1, blocksize) * (1.0 / absmax[: full // blocksize].clamp(min=_TINY_ABSMAX))
+              .view(-1, 1)).view(-1)
     if full < n:
-        am = flat[full:].abs().max().clamp(min=_TINY_ABSMAX)
-        absmax = torch.cat([absmax, am.unsqueeze(0)])
-        scaled = torch.cat([scaled, torch.clamp(flat[full:] / am, -1, 1)])
+        scaled = torch.cat([scaled, flat[full:] / absmax[-1]])
     if n % 2:
         scaled = torch.nn.functional.pad(scaled, (0, 1))
-    codes = torch.bucketize(scaled, bounds, out_int32=True)
+    codes = sorted_code_index(scaled, quant_type)
     if quant_type != "nf4":
-        codes = order[codes]
-    return codes.to(torch.uint8), absmax
+        codes = code_bounds(quant_type)[1].to(torch.uint8).index_select(0, codes.to(torch.int32))
+    return codes, absmax
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -157,7 +171,7 @@ def quantize_absmax(absmax: torch.Tensor, offset: torch.Tensor, nested_blocksize
     n = shifted.numel()
     padded = torch.nn.functional.pad(shifted, (0, num_blocks(n, nested_blocksize) * nested_blocksize - n))
     blocks = padded.view(-1, nested_blocksize)
-    nested = blocks.abs().max(dim=-1)[0]
+    nested = blocks.abs().amax(dim=-1)
     scaled = blocks * (1.0 / nested.clamp(min=_TINY_ABSMAX)).view(-1, 1)
     codes = lut[_lut_index(scaled)]
     codes[nested == 0] = 0  # the kernel skips an all-zero block: codes 0, nested absmax 0
@@ -258,7 +272,7 @@ class Layout4bit:
         return dequantize_absmax(absmax, _fp32(nested_absmax), _fp32(offset), dynamic_map().to(absmax.device))
 
     def dequantize(self, stored: dict[str, torch.Tensor], dtype: torch.dtype,
-                   chunk: int = 1 << 22) -> torch.Tensor:
+                   chunk: int = DEQUANT_CHUNK) -> torch.Tensor:
         """The weight in ``dtype`` from its stored bytes: fp32 ``code * absmax`` rounded to nearest even, the
         same bits as bitsandbytes' ``dequantize_4bit``. Works ``chunk`` elements at a time, so the fp32
         transients stay small next to the result even for a 28,672 x 8,192 matrix."""

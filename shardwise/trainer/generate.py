@@ -187,6 +187,7 @@ def from_run(path: Path, tokenizer: str, chat: bool) -> Generator:
     from shardwise.checkpoint.verify import read_manifest
     from shardwise.trainer.config import TrainConfig, load_toml
     from shardwise.trainer.jsonl_data import tokenizer_dir
+    from shardwise.trainer.lora_model import run_frozen_base
     from shardwise.trainer.loop import build_sharded_model
     from shardwise.hf.model_spec import ModelError, lm_logits, resolve_model
 
@@ -204,7 +205,7 @@ def from_run(path: Path, tokenizer: str, chat: bool) -> Generator:
     model = build_sharded_model(cfg, spec, torch.device("cpu"))
     # a LoRA run's adapter-only checkpoint goes over the base build_sharded_model read from --model DIR
     recorded = read_manifest(checkpoint).get("frozen_base")
-    load_checkpoint(checkpoint, model, frozen_base=spec.frozen_base(recorded) if cfg.lora_r else None)
+    load_checkpoint(checkpoint, model, frozen_base=run_frozen_base(cfg, spec, recorded))
     model.eval()
     tok_dir = tokenizer or (tokenizer_dir(cfg.model) if spec.kind == "hf" else "")
     encode, decode, eos = _text_codec(spec.vocab_size, tok_dir, chat, str(path))

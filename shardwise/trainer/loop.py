@@ -46,7 +46,7 @@ from shardwise.trainer import (
 )
 from shardwise.trainer.config import TrainConfig
 from shardwise.trainer.defaults import defaults_note
-from shardwise.trainer.lora_model import quant_settings, wrap_lora
+from shardwise.trainer.lora_model import quant_settings, run_frozen_base, wrap_lora
 from shardwise.trainer.loss import global_loss_targets, loss_targets, micro_batch_loss
 from shardwise.trainer.sources import Sampler, open_training_data
 
@@ -170,7 +170,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
     scaler = shardwise.ShardedGradScaler() if cfg.mixed_precision == "fp16" else None
     # LoRA over DIR's weights: adapter-only checkpoints, which record the base's identity
-    frozen_base = spec.frozen_base(state.recorded_base(cfg.out, cfg.resume)) if cfg.lora_r else None
+    frozen_base = run_frozen_base(cfg, spec, state.recorded_base(cfg.out, cfg.resume))
     start_step, note = state.restore_training_state(cfg.out, cfg.resume, model, optimizer, seed=cfg.seed,
                                                     train_tokens=data.train_tokens, grad_scaler=scaler,
                                                     frozen_base=frozen_base)

@@ -41,3 +41,10 @@ def quant_settings(cfg: TrainConfig):
     from shardwise.hf.quantization import QuantSettings
 
     return QuantSettings(cfg.bnb_4bit_quant_type, cfg.bnb_4bit_use_double_quant)
+
+
+def run_frozen_base(cfg: TrainConfig, spec: ModelSpec, recorded: dict | None = None) -> dict | None:
+    """The ``frozen_base`` record of a LoRA run's base (--model DIR's weights, quantised as --load-in-4bit
+    says): what its checkpoints record and what a resume, generate or export compares them with. None
+    without --lora-r, or over a random base (whose checkpoints keep the base itself)."""
+    return spec.frozen_base(recorded, quant_settings(cfg)) if cfg.lora_r else None

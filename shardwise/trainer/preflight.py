@@ -189,7 +189,8 @@ def check_resume(cfg: TrainConfig, spec: ModelSpec, model: nn.Module) -> Optiona
         raise ShardwiseError(f"--resume {path}: checkpoint of a different model than --model {cfg.model}: {problem}")
     saved_base = manifest.get("frozen_base")
     if saved_base is not None:
+        from shardwise.trainer.lora_model import run_frozen_base
         from shardwise.trainer.state import check_frozen_base
 
-        check_frozen_base(path, spec.frozen_base(saved_base) if cfg.lora_r else None)
+        check_frozen_base(path, run_frozen_base(cfg, spec, saved_base))
     return path

@@ -138,19 +138,45 @@ def check_frozen_base(path: Path, frozen_base: Optional[dict]) -> None:
     """An adapter-only checkpoint resumes only over its own base, read again from ``--model DIR``: refuse,
     naming the option, a resume without that directory's weights or with other weights (``load_checkpoint``
     would refuse it too, without naming the trainer's options)."""
-    from shardwise.checkpoint.frozen_base import mismatch
+    from shardwise.checkpoint.frozen_base import mismatch, quantization_of
     from shardwise.checkpoint.verify import read_manifest
 
     saved = read_manifest(path).get("frozen_base")
     if saved is None or mismatch(saved, frozen_base, None) is None:
         return  # (a changed --lora-base-dtype is load_checkpoint's message: it names both dtypes)
     if frozen_base is None:
+        four_bit = " --load-in-4bit" if quantization_of(saved) else ""
         raise ShardwiseError(f"{path}: an adapter-only LoRA checkpoint over the weights of {saved['source']}; "
                              f"resume it with --model {saved['source']} (a directory with those weights) and the "
-                             f"run's --lora-* options")
-    raise ShardwiseError(f"--model {frozen_base['source']}: its weights (identity "
-                         f"{frozen_base['weights_sha256'][:12]}...) are not the base {path} was trained over "
-                         f"({saved['source']}, identity {saved['weights_sha256'][:12]}...)")
+                             f"run's --lora-*{four_bit} options")
+    if frozen_base["weights_sha256"] != saved["weights_sha256"]:
+        raise ShardwiseError(f"--model {frozen_base['source']}: its weights (identity "
+                             f"{frozen_base['weights_sha256'][:12]}...) are not the base {path} was trained over "
+                             f"({saved['source']}, identity {saved['weights_sha256'][:12]}...)")
+    raise ShardwiseError(quantization_change(path, quantization_of(saved), quantization_of(frozen_base)))
+
+
+# A 4-bit base's recorded settings (``QuantSettings.to_dict``) and the options that set them.
+QUANT_OPTIONS = {"quant_type": "bnb_4bit_quant_type", "double_quant": "bnb_4bit_use_double_quant"}
+
+
+def quantization_change(path: Path, saved: Optional[dict], given: Optional[dict]) -> str:
+    """One line naming the option whose value differs from the one ``path``'s base was quantised with."""
+    from shardwise.trainer.config import option_label
+
+    if saved is None:
+        return (f"--load-in-4bit: given, but {path} was trained without it (over the base in high precision); "
+                f"the adapters belong to that base: resume without --load-in-4bit")
+    if given is None:
+        settings = " ".join(f"{option_label(o)} {saved.get(k)}" for k, o in QUANT_OPTIONS.items())
+        return (f"--load-in-4bit: not given, but {path} was trained with it ({settings}); the adapters belong "
+                f"to the base as quantised: resume with --load-in-4bit")
+    key = next((k for k in QUANT_OPTIONS if saved.get(k) != given.get(k)), None)
+    if key is None:
+        return f"{path}: its 4-bit base was quantised with {saved}, this run's with {given}"
+    option = option_label(QUANT_OPTIONS[key])
+    return (f"{option} {given.get(key)}: {path} was trained over the base quantised with {option} {saved.get(key)}; "
+            f"the adapters belong to the base as it was quantised: resume with {option} {saved.get(key)}")
 
 
 def check_extra(extra: Any, path: Path, manifest_step: Optional[int], want_scaler: bool) -> int:

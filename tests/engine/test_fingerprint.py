@@ -116,6 +116,50 @@ def test_a_collective_outside_the_unit_schedule_called_by_one_rank_fails_on_ever
         assert "ShardwiseError" in e and op in e, e
 
 
+def _grad_norm_on_one_rank(rank: int, world: int) -> None:
+    """Every rank's ``p.grad.norm()`` equals the single-process norm; then rank 0 alone logs one (the
+    habit ``if rank == 0: print(p.grad.norm())``) and every rank goes on training: that must raise."""
+    from parity_utils import local_slice
+
+    x = torch.randint(0, 61, (2 * world, 16), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    ref(x, x).loss.backward()
+    torch.manual_seed(0)
+    model = shardwise.shard(GPT(CFG), units={Block})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    mine = local_slice(x, rank, world)
+    model(mine, mine).loss.backward()
+    for (name, p), want in zip(model.named_parameters(), ref.parameters()):
+        got, expected = float(p.grad.norm()), float(want.grad.norm())  # every rank calls: exact
+        assert abs(got - expected) <= 1e-5 * expected, (name, got, expected)
+    for step in range(3):  # the first step also checks the optimizer's state (its own agreed collective)
+        if rank == 0 and step == 2:
+            print(float(next(model.parameters()).grad.norm()))
+        opt.step()
+        opt.zero_grad()
+        model(mine, mine).loss.backward()
+
+
+@pytest.mark.parametrize("variant", ["in_band", "native"])
+def test_a_gradient_norm_taken_on_one_rank_fails_on_every_rank_naming_it(variant):
+    """``p.grad`` of a sharded parameter is a piece whose norm is a collective (shard_grad.py). Called on
+    every rank it is exact; called on rank 0 alone every rank raises the disagreement naming the gradient
+    reduction: at the others' next compare (native collectives), or found by the stall watchdog's probe of
+    every rank's recent collectives within seconds (in band: the others wait in their next gather), with no
+    SHARDWISE_STALL_S set, never paired with another rank's collective or left to the timeout."""
+    env = {"SHARDWISE_GLOO_NATIVE_COLLECTIVES": "1"} if variant == "native" else None
+    start = time.monotonic()
+    results = run_distributed(_grad_norm_on_one_rank, 2, timeout_s=60, env=env, allow_errors=True)
+    assert time.monotonic() - start < 45, results  # the collective timeout is 60 s
+    assert len(_errors(results)) == 2, results
+    for e in results:
+        assert "ShardwiseError: ranks disagree about the next collective" in e, e
+        assert re.search(r"ranks \[0\] are at grad_reduction \(p\.grad\.norm\(\)", e), e
+        if variant == "in_band":
+            assert "Found by the stall watchdog" in e and "ranks [1] are at all_gather of unit" in e, e
+
+
 def test_in_a_hybrid_mesh_the_disagreeing_shard_group_names_global_ranks():
     """2 x 2 hybrid: rank 3 runs ahead inside shard group {2, 3}. Ranks 2 and 3 name each other by global
     rank; ranks 0 and 1 then fail at the replica all-reduce their partners never reach, instead of hanging."""

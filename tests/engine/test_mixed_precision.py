@@ -27,8 +27,8 @@ import torch
 import shardwise
 from harness import run_distributed
 from models import Block, GPT, gpt_loss, tiny_gpt_config
-from parity_utils import (global_mean, local_slice, make_batches, make_optimizer, scalar_rel_err, sharded_param_errors,
-                          spawn_once, whole_model_rel_err, worst)
+from parity_utils import (cast_reference, global_mean, local_slice, make_batches, make_optimizer, scalar_rel_err,
+                          sharded_param_errors, spawn_once, whole_model_rel_err, worst)
 from shardwise.engine.runtime import runtime_of
 
 WORLD_SIZE = 2
@@ -46,50 +46,14 @@ POLICIES = {
 }
 
 
-def _cast_reference(initial, batches, world_size, reduce_dtype):
-    """Train an fp32 master whose gradients come from a bf16 copy. ``reduce_dtype=None``: the bf16 copy runs
-    the whole global batch. Otherwise it runs each rank's slice separately, and the slices' gradients are
-    averaged in ``reduce_dtype`` exactly as the policy promises (bf16 sums are divided first); then the
-    reference rounds where the sharded run rounds, and agrees with it to fp32 precision."""
-    master = copy.deepcopy(initial)
-    opt = make_optimizer("sgd", master.parameters())
-    losses, states = [], []
-    for x, y in batches:
-        if reduce_dtype is None:
-            low = copy.deepcopy(master).to(torch.bfloat16)
-            loss = gpt_loss(low, x, y)
-            loss.backward()
-            grads = [q.grad for q in low.parameters()]
-        else:
-            grads, loss = None, 0.0
-            for r in range(world_size):
-                low = copy.deepcopy(master).to(torch.bfloat16)
-                part = gpt_loss(low, local_slice(x, r, world_size), local_slice(y, r, world_size))
-                part.backward()
-                g = [q.grad.to(reduce_dtype) for q in low.parameters()]
-                if reduce_dtype.itemsize < 4:
-                    g = [t / world_size for t in g]
-                grads = g if grads is None else [a + b for a, b in zip(grads, g)]
-                loss = loss + part.detach() / world_size
-            if reduce_dtype.itemsize >= 4:
-                grads = [t / world_size for t in grads]
-        for p, g in zip(master.parameters(), grads):
-            p.grad = g.float()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        states.append(copy.deepcopy(master))
-    return losses, states
-
-
 def _mp_worker(rank, ws):
     cfg = tiny_gpt_config()
     batches = make_batches(STEPS, cfg.vocab_size)
     torch.manual_seed(0)
     initial = GPT(cfg)
-    references = {"global": _cast_reference(initial, batches, ws, None)}
+    references = {"global": cast_reference(initial, batches, ws, None, gpt_loss)}
     for name, policy in POLICIES.items():
-        references[name] = _cast_reference(initial, batches, ws, policy.get("reduce_dtype", torch.bfloat16))
+        references[name] = cast_reference(initial, batches, ws, policy.get("reduce_dtype", torch.bfloat16), gpt_loss)
 
     out = {}
     for strategy in STRATEGIES:

@@ -8,8 +8,8 @@ causes 2 and 3). One spawn per world size runs every scenario (``run_scenarios``
   the ranks agree on refilling them: outputs equal full_shard's.
 * Buffer broadcast does not write a buffer that already holds rank 0's values: two forwards before one
   backward with a buffer saved for backward work as in plain torch.
-* Under native collectives (NCCL's, selectable on gloo) a forward without grad compares the ranks'
-  collectives before returning, and offload_optimizer steps units only after backward's compare.
+* Under native collectives (NCCL's, selectable on gloo) every forward, with or without grad, compares the
+  ranks' collectives before returning, and offload_optimizer steps units only after backward's compare.
 * BatchNorm trains with each rank's own batch statistics, as under DDP (compared with torch DDP).
 * ``copy.deepcopy`` of a sharded model, ``shard()`` of a model with a sharded submodule and a
   ``summon_full_params(writeback=True)`` edit made on one rank only are refused by name.
@@ -278,14 +278,15 @@ class _NativeCollectives:
         collectives._use_all_reduce_cache.clear()
 
 
-def _native_no_grad_divergence(rank, world):
-    """Under native collectives a forward without grad whose ranks part after its first collective (same
-    sizes, other units) raises on every rank before returning mixed outputs."""
+def _native_forward_divergence(rank, world, grad):
+    """Under native collectives a forward whose ranks part after its first collective (same sizes, other
+    units) raises on every rank before returning mixed outputs: without grad (eval, generate), and with
+    grad where no backward follows (a metric computed under grad, then zero_grad())."""
     with _NativeCollectives():
         torch.manual_seed(0)
         model = shardwise.shard(_Ordered(), units={nn.Linear}, prefetch=False)  # the order as called
         x = torch.randn(4, 8)
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             model(x)  # agreed: same order everywhere
             try:
                 model(x, order=(0, 1, 2) if rank == 0 else (0, 2, 1))
@@ -336,7 +337,7 @@ def _batchnorm_is_ddp(rank, world):
     base = WithNorm()
     ddp = DDP(copy.deepcopy(base))
     model = shardwise.shard(copy.deepcopy(base), units={nn.Linear})
-    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(12, 6, generator=torch.Generator().manual_seed(5))  # divides by 2 and 3
     mine = local_slice(x, rank, world)
     for net in (ddp, model):
         opt = _sgd(net.parameters())
@@ -352,7 +353,8 @@ def _scenarios(directory):
     return {"no_sync_dropped": _no_sync_dropped, "kept_copy_writes": _kept_copy_writes,
             "buffer_saved_for_backward": _buffer_saved_for_backward, "refusals": _refusals,
             "load_pretrained_after_forward": lambda r, w: _load_pretrained_after_forward(r, w, directory),
-            "native_no_grad_divergence": _native_no_grad_divergence,
+            "native_no_grad_divergence": lambda r, w: _native_forward_divergence(r, w, grad=False),
+            "native_grad_forward_divergence": lambda r, w: _native_forward_divergence(r, w, grad=True),
             "native_offload_steps_after_compare": _native_offload_steps_after_compare,
             "offload_grad_kept": _offload_grad_kept, "batchnorm_is_ddp": _batchnorm_is_ddp, "offload_muon_kwargs": _offload_muon_kwargs,
             "unfrozen_after_shard": lambda r, w: _unfrozen_after_shard_is_saved(r, w, directory + "-ckpt")}
@@ -367,27 +369,33 @@ def llama_dir(tmp_path_factory):
     return hf_dirs.make_model_dir(str(tmp_path_factory.mktemp("hf") / "llama"), "llama", tokenizer=False)
 
 
+# World size 2 by default; 3 (uneven pieces: a rank's piece of a parameter may be shorter or empty) under -m slow.
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)])
+def world(request):
+    return request.param
+
+
 @spawn_once
 def _report(world: int, directory: str) -> list:
     return run_distributed(_worker, world, directory)
 
 
-def test_zero_grad_drops_the_no_sync_accumulation_under_every_strategy(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_zero_grad_drops_the_no_sync_accumulation_under_every_strategy(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         errs = scenario(rank_report, "no_sync_dropped")
         assert all(e < 1e-6 for e in errs.values()), errs
 
 
-def test_kept_parameters_follow_every_write_to_the_shards(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_kept_parameters_follow_every_write_to_the_shards(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         seen = scenario(rank_report, "kept_copy_writes")
         for strategy in KEPT:
             for when, (got, want) in enumerate(zip(seen[strategy], seen["full_shard"])):
                 assert torch.equal(got, want), (strategy, ["after a step", "after p.data", "after rank 0", "after summon writeback"][when])
 
 
-def test_load_pretrained_after_a_forward_is_used_under_zero1_and_zero2(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_load_pretrained_after_a_forward_is_used_under_zero1_and_zero2(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         seen = scenario(rank_report, "load_pretrained_after_forward")
         want_before, want_after = seen["full_shard"]
         assert not torch.equal(want_before, want_after)  # the load changed the weights
@@ -395,13 +403,13 @@ def test_load_pretrained_after_a_forward_is_used_under_zero1_and_zero2(llama_dir
             assert torch.equal(seen[strategy][1], want_after), strategy
 
 
-def test_two_forwards_before_a_backward_keep_a_broadcast_buffer_saved_for_backward(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_two_forwards_before_a_backward_keep_a_broadcast_buffer_saved_for_backward(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         assert scenario(rank_report, "buffer_saved_for_backward")["err"] < 1e-6
 
 
-def test_deepcopy_nested_shard_and_one_rank_writeback_are_refused_by_name(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_deepcopy_nested_shard_and_one_rank_writeback_are_refused_by_name(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         out = scenario(rank_report, "refusals")
         assert out["deepcopy"].startswith("copy.deepcopy() of a sharded model"), out
         assert "submodule 'blocks.0'" in out["nested"] and "already sharded" in out["nested"], out
@@ -409,33 +417,36 @@ def test_deepcopy_nested_shard_and_one_rank_writeback_are_refused_by_name(llama_
         assert torch.equal(out["lm_head"], out["lm_head_ref"])  # the common edit kept, the one-rank one refused
 
 
-def test_a_checkpoint_with_a_frozen_base_saves_parameters_unfrozen_after_shard(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_a_checkpoint_with_a_frozen_base_saves_parameters_unfrozen_after_shard(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         assert scenario(rank_report, "unfrozen_after_shard")["restored"]
 
 
-def test_cpu_offload_keeps_a_users_reference_to_last_steps_grad(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_cpu_offload_keeps_a_users_reference_to_last_steps_grad(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         assert scenario(rank_report, "offload_grad_kept")["kept"]
 
 
-def test_offload_optimizer_passes_muons_arguments_and_pairs_groups_by_parameters(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_offload_optimizer_passes_muons_arguments_and_pairs_groups_by_parameters(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         assert scenario(rank_report, "offload_muon_kwargs")["err"] < 1e-6
 
 
-def test_native_collectives_a_no_grad_forward_that_parts_raises_before_returning(llama_dir):
-    for rank_report in _report(2, llama_dir):
-        outcome = scenario(rank_report, "native_no_grad_divergence")["outcome"]
+@pytest.mark.parametrize("case", ["native_no_grad_divergence", "native_grad_forward_divergence"])
+def test_native_collectives_a_forward_that_parts_raises_before_returning_with_or_without_grad(llama_dir, world,
+                                                                                              case):
+    for rank_report in _report(world, llama_dir):
+        outcome = scenario(rank_report, case)["outcome"]
         assert outcome != "returned" and "disagree" in outcome, outcome
+        assert "all_gather of unit 'blocks.1'" in outcome and "all_gather of unit 'blocks.2'" in outcome, outcome
 
 
-def test_native_collectives_offload_optimizer_steps_only_after_the_compare(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_native_collectives_offload_optimizer_steps_only_after_the_compare(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         out = scenario(rank_report, "native_offload_steps_after_compare")
         assert out["moved_in_backward"] is False and out["err"] < 1e-6, out
 
 
-def test_batchnorm_trains_with_per_rank_batch_statistics_as_ddp_does(llama_dir):
-    for rank_report in _report(2, llama_dir):
+def test_batchnorm_trains_with_per_rank_batch_statistics_as_ddp_does(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
         assert scenario(rank_report, "batchnorm_is_ddp")["err"] < 1e-6

@@ -1,7 +1,9 @@
 """load_pretrained into a 4-bit base: a checkpoint that transformers + bitsandbytes saved in 4 bits loads at
 world sizes 1-3 to exactly its bytes (each rank copying only its byte ranges); a fp32 directory quantised on
 load gives those same bytes; and a pre-quantised checkpoint whose quant_state disagrees with its tensors or
-with the model (shape, nf4/fp4, absmax length) is refused in one line naming the file and tensor.
+with the model (shape, block size, nf4/fp4, absmax length; a declared shape of 2**40 weights in a file of a few
+kB, before anything is sized from it), or whose config.json says another quant type than its tensors, is
+refused in one line naming the file and tensor.
 
 MoE (Qwen3-MoE, experts as QuantExperts): the files hold one tensor per expert and projection
 (``mlp.experts.{e}.gate_proj.weight``), which transformers 5 fuses on load and which its bitsandbytes 4-bit
@@ -102,27 +104,45 @@ def _errors(directory: str) -> dict[str, str]:
 
 def _broken_dirs(directory: str) -> dict[str, str]:
     root = os.path.join(directory, "broken")
-    return {n: os.path.join(root, n) for n in ("state_shape", "absmax_length", "fp4_model")}
+    return {n: os.path.join(root, n) for n in ("state_shape", "absmax_length", "fp4_model", "blocksize",
+                                                "huge_state_shape", "config_fp4")}
 
 
 def make_broken_dirs(prequantised: str, root: str) -> None:
-    """Copies of the pre-quantised checkpoint, each damaged one way (fp4_model: intact, the model is fp4)."""
+    """Copies of the pre-quantised checkpoint, each damaged one way (fp4_model: intact tensors, config.json
+    without its quantization_config, the model is fp4)."""
     from safetensors.torch import load_file, save_file
 
     sd = load_file(os.path.join(prequantised, "model.safetensors"))
     key = "model.layers.1.mlp.up_proj.weight"
     cases = {}
-    state = json.loads(bytes(sd[f"{key}.quant_state.bitsandbytes__nf4"].tolist()))
-    state["shape"] = [44, 96]  # the same element count, another shape
-    cases["state_shape"] = {f"{key}.quant_state.bitsandbytes__nf4": torch.tensor(list(json.dumps(state).encode()),
-                                                                                 dtype=torch.uint8)}
+    cases["state_shape"] = _state_edit(sd, key, shape=[44, 96])  # the same element count, another shape
     cases["absmax_length"] = {f"{key}.absmax": sd[f"{key}.absmax"][:-1].clone()}
     cases["fp4_model"] = {}
+    cases["blocksize"] = _state_edit(sd, key, blocksize=128)
+    # 2**40 weights declared by a file of a few kB: refused before anything is sized from it (an allocation
+    # of the packed bytes alone would be 512 GiB, and kill this test)
+    cases["huge_state_shape"] = _state_edit(sd, key, shape=[1 << 20, 1 << 20])
+    cases["config_fp4"] = {}
     for name, edits in cases.items():
         d = _broken_dirs(root)[name]
         os.makedirs(d)
-        shutil.copy(os.path.join(prequantised, "config.json"), d)
+        with open(os.path.join(prequantised, "config.json")) as f:
+            config = json.load(f)
+        if name == "config_fp4":  # the tensors are nf4, config.json says fp4
+            config["quantization_config"]["bnb_4bit_quant_type"] = "fp4"
+        if name == "fp4_model":  # no quantization_config to contradict the model first: the tensors must
+            del config["quantization_config"]
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(config, f)
         save_file({**sd, **edits}, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _state_edit(sd: dict, key: str, **changes) -> dict:
+    """The quant_state JSON blob of weight ``key`` with ``changes`` made to it."""
+    name = f"{key}.quant_state.bitsandbytes__nf4"
+    state = {**json.loads(bytes(sd[name].tolist())), **changes}
+    return {name: torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)}
 
 
 def write_per_expert_4bit(src: str, dst: str) -> None:
@@ -217,9 +237,14 @@ def test_bad_pre_quantised_checkpoints_are_refused_in_one_line(dirs):
     assert "'model.layers.1.mlp.up_proj.weight.absmax' is torch.uint8 [65], but the quant_state's shape [88, 48] " \
            "needs 66 torch.uint8" in errors["absmax_length"]
     assert "quant_type='nf4', the model's 4-bit module needs 'fp4'" in errors["fp4_model"]
+    assert f"{key}: quant_state blocksize=128, the model's 4-bit module needs 64" in errors["blocksize"]
+    assert f"{key}: quant_state shape=[1048576, 1048576], the model's 4-bit module needs [88, 48]" \
+        in errors["huge_state_shape"]
+    assert "config.json: quantization_config bnb_4bit_quant_type='fp4', but the model's 4-bit modules are 'nf4'" \
+        in errors["config_fp4"]
     for name, text in errors.items():
         assert text.startswith("ShardwiseError") and "\n" not in text.strip(), (name, text)
-        assert "model.safetensors" in text, (name, text)
+        assert ("config.json" if name == "config_fp4" else "model.safetensors") in text, (name, text)
 
 
 def test_merge_refuses_a_base_directory_holding_only_4bit_weights(dirs, tmp_path):

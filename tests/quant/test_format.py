@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from bnb_oracle import bnb_quantize, require_bnb
 from shardwise.errors import ShardwiseError
-from shardwise.quant.codebooks import code_bounds
+from shardwise.quant.codebooks import code_bounds, sorted_code_index
 from shardwise.quant.format import (absmax_offset, quantize_4bit, quantize_absmax, quantize_blocks,
                                     pack_nibbles)
 
@@ -54,6 +54,7 @@ CASES = {
     "constant_absmax": constant_absmax_weight,
     "midpoints_nf4": lambda: midpoint_weight("nf4"),
     "midpoints_fp4": lambda: midpoint_weight("fp4"),
+    "zero_partial_block": lambda: torch.cat([torch.randn(64 * 3), torch.zeros(10)]).reshape(2, -1),
 }
 
 
@@ -88,6 +89,25 @@ def test_nf4_and_fp4_equal_bitsandbytes_byte_for_byte(case, dtype):
             label = f"{case} {dtype} {quant_type} double_quant={double_quant}"
             assert_same_bytes(quantize_4bit(w, quant_type, double_quant), bnb_quantize(w, quant_type, double_quant),
                               label)
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_the_cell_lookup_finds_the_same_code_as_a_search_over_the_midpoints(quant_type):
+    """The quantiser's look-up (``sorted_code_index``) against ``torch.bucketize`` over the midpoints, what
+    bitsandbytes runs: every fp32 value within 2,048 ulps of each midpoint, each cell edge, +-1, +-0 and
+    values just past +-1, and a million uniform values."""
+    bounds = code_bounds(quant_type)[0]
+    near = [bounds]
+    up = down = bounds
+    for _ in range(2048):
+        up, down = torch.nextafter(up, torch.tensor(2.0)), torch.nextafter(down, torch.tensor(-2.0))
+        near += [up, down]
+    edges = torch.linspace(-1, 1, 4097)
+    edges = torch.cat([edges, torch.nextafter(edges, torch.tensor(2.0)), torch.nextafter(edges, torch.tensor(-2.0))])
+    special = torch.tensor([1.0, -1.0, 0.0, -0.0, 1.0000001, -1.0000001, 1e-38, -1e-38])
+    values = torch.cat(near + [edges, special, torch.empty(1 << 20).uniform_(-1, 1)])
+    expected = torch.bucketize(values, bounds, out_int32=True).to(torch.uint8)
+    assert torch.equal(sorted_code_index(values, quant_type), expected)
 
 
 def test_double_quantisation_equals_bitsandbytes_cpu_kernel_on_table_boundaries():

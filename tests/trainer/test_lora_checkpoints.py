@@ -205,7 +205,7 @@ def test_adapter_only_checkpoint_saved_at_ws2_reshards_to_ws3(runs):
     assert all(torch.equal(saved[k], resaved[k]) for k in saved)
 
 
-def test_export_writes_the_peft_adapter_and_the_merged_model(runs, tmp_path):
+def test_export_writes_the_peft_adapter_and_the_merged_model(runs, tmp_path, capsys):
     """The adapter directory equals what the trained model's save_adapter wrote and loads with peft onto the base
     from DIR; --merge gives what peft's merge_and_unload gives, bit for bit, and the logits of the adapted model.
     The base directory is stored in bf16 and the masters are fp32: the merged config says float32 (from_pretrained's
@@ -230,7 +230,9 @@ def test_export_writes_the_peft_adapter_and_the_merged_model(runs, tmp_path):
         adapted = peft_model(input_ids=x).logits
     reference = peft_model.merge_and_unload().state_dict()
 
+    capsys.readouterr()
     assert export_main([str(run), str(tmp_path / "merged"), "--merge"]) == 0
+    assert f"merged the adapters into the high-precision weights of {model_dir}, in float32" in capsys.readouterr().out  # says which
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")  # dtype "auto": what the config says
     assert merged.dtype == torch.float32
     assert all(torch.equal(v, merged.state_dict()[k]) for k, v in reference.items())
