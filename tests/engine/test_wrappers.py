@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint
 import torch.nn as nn
+import torch.nn.utils.parametrize
 
 import shardwise
 from harness import run_distributed
@@ -221,6 +222,17 @@ def composable_checkpoint(model):  # torch.distributed._composable.checkpoint co
         checkpoint(block)
 
 
+class Doubled(nn.Module):
+    """A parametrization without right_inverse: registering it computes nothing on the piece."""
+
+    def forward(self, w):
+        return 2 * w
+
+
+def parametrize_head(model):
+    torch.nn.utils.parametrize.register_parametrization(model.lm_head, "weight", Doubled())
+
+
 def prune_head(model):
     import torch.nn.utils.prune as prune
     prune.l1_unstructured(model.lm_head, "weight", amount=0.3)
@@ -311,6 +323,7 @@ ROWS = [
     Row("spectral_norm after shard", after_shard(lambda m: torch.nn.utils.parametrizations.spectral_norm(m.lm_head)),
         MOVED),
     Row("prune after shard", after_shard(prune_head), MOVED),
+    Row("register_parametrization after shard", after_shard(parametrize_head), MOVED),
     Row("composable checkpoint(block) after shard", after_shard(composable_checkpoint)),
     Row("model.apply(zeros_/ones_/constant_ init) after shard", after_shard(deterministic_init)),
     Row("eval() forward, then train()", after_shard(eval_then_train)),
