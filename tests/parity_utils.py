@@ -385,13 +385,14 @@ class CollectiveCounter:
             original = getattr(collectives, name)
             self._saved[name] = original
 
-            def counted(tensor_a, tensor_b=None, *args, _name=name, _orig=original, **kwargs):
-                # all_gather/reduce_scatter: (output, input); all_reduce: (tensor, group)
-                sent = tensor_b if _name == "reduce_scatter_into" else tensor_a
+            def counted(*args, _name=name, _orig=original, **kwargs):
+                # all_gather/reduce_scatter: (output, input, ...); all_reduce: (tensor, ...); the group may
+                # come by keyword (collectives.run_agreed), so the arguments are passed on as they came
+                sent = args[1] if _name == "reduce_scatter_into" else args[0]
                 header = kwargs.get("header")  # the in-band fingerprint is not data
                 self.calls[_name] += 1
                 self.numel[_name] += sent.numel() - (header.numel() if header is not None else 0)
-                return _orig(tensor_a, tensor_b, *args, **kwargs)
+                return _orig(*args, **kwargs)
 
             setattr(collectives, name, counted)
         return self

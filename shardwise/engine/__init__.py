@@ -16,6 +16,9 @@ Then ``grad_norm.py`` (``clip_grad_norm_``) and the user's ``optimizer.step()`` 
 torch's own APIs on those pieces: ``shard_grad.py`` (parameters and gradients whose norms span the ranks),
 ``shard_param.py`` (the parameter type; autograd calls naming parameters), ``direct_grads.py`` (penalties
 computed from the parameters), ``optimizer_guard.py`` (which optimizers, whose state), ``param_hooks.py`` (``p.register_hook``).
+What users put around the model: ``wrapper_refusal.py`` (DDP, ``fully_shard``, pickling refused),
+``state_dict_stamps.py`` (``model.state_dict()`` / ``load_state_dict`` whose pieces), ``dcp_pieces.py``
+(torch.distributed.checkpoint of the pieces refused).
 
 Around that path: ``fingerprint.py`` (every collective is fingerprinted, so ranks that disagree fail by
 name instead of hanging), ``watchdog.py`` (stall reports), ``agree.py`` (one error on every rank),

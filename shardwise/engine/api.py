@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.engine import device as devices, logical_shapes, materialize, optimizer_guard
+from shardwise.engine import device as devices, logical_shapes, materialize, optimizer_guard, state_dict_stamps
+from shardwise.engine.wrapper_refusal import refuse_wrappers
 from shardwise.engine.buffer_broadcast import BufferBroadcast
 from shardwise.engine.activation_checkpoint import checkpoint_unit
 from shardwise.engine.fingerprint import CollectiveChecker, check_same_plan, checks_enabled
@@ -106,6 +107,8 @@ def shard(
     for g in flat_groups.values():
         g.direct.on_arrival = runtime.begin_backward  # a penalty's backward ends in end_backward too
     _install_hooks(model, runtime, activation_checkpointing)
+    refuse_wrappers(model)  # DDP (Accelerate's prepare), fully_shard would redo the sharding on the pieces
+    state_dict_stamps.install(model, runtime)  # model.state_dict() pieces say whose they are
     if broadcast_buffers and pgs.data_parallel_size > 1:
         sync = BufferBroadcast(model, runtime)
         if sync.buffers:

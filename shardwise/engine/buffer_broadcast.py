@@ -48,16 +48,14 @@ class BufferBroadcast:
     def _broadcast(self, group, dtype: torch.dtype, tensors: list[torch.Tensor]) -> None:
         wire = torch.uint8 if dtype == torch.bool else dtype  # bool has no sum
         numel = sum(t.numel() for t in tensors)
-        checker = self.runtime.checker
-        if checker is not None:
-            checker.check_now("broadcast_buffers", numel)
         flat = torch.zeros(numel, dtype=wire, device=self.runtime.device)
         if dist.get_rank(group) == 0:
             at = 0
             for t in tensors:
                 flat.narrow(0, at, t.numel()).copy_(t.reshape(-1))
                 at += t.numel()
-        collectives.all_reduce_sum(flat, group)
+        collectives.run_agreed(self.runtime.checker, "broadcast_buffers", collectives.all_reduce_sum, flat,
+                               group=group, what=f"the broadcast of rank 0's {dtype} buffers")
         at = 0
         with torch.no_grad():
             for t in tensors:

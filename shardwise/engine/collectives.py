@@ -201,6 +201,23 @@ def run_and_wait(collective: Callable, *args, what: Optional[str] = None, group=
          group=group)
 
 
+def run_agreed(checker, op: str, collective: Callable, /, *args, what: str, group=None, numel: Optional[int] = None,
+               unit: Optional[int] = None, **kwargs) -> None:
+    """``run_and_wait`` for a collective that user code can start on some ranks only, outside the unit
+    schedule (a tensor hook's gradient gather, a GradScaler's overflow vote, the comparison of
+    summon_full_params edits, an optimizer-state verdict): the ranks first agree that each is about to issue
+    ``op`` of this size (``checker.check_now``, fingerprint.py: one tiny exchange on the side group), so a
+    rank that issues it alone is a ShardwiseError naming ``op`` on every rank, never a hang, a gloo abort on
+    mismatched sizes or a sum paired with another rank's collective. ``checker``: the model's
+    ``fingerprint.CollectiveChecker``, or None where checks are off (then a plain ``run_and_wait``).
+    ``numel`` and ``unit``: the fingerprint's size (default: the first tensor's) and unit (default: the model).
+    ``checker``, ``op`` and ``collective`` are positional only: ``op=`` is the collective's reduce op."""
+    if checker is not None:
+        size = numel if numel is not None else getattr(_first_tensor(args), "numel", lambda: 0)()
+        checker.check_now(op, size, **({} if unit is None else {"unit": unit}))
+    run_and_wait(collective, *args, what=what, group=group, **kwargs)
+
+
 def wait(work, timeout: Optional[timedelta] = None, what: watchdog.What = "collective", group=None) -> None:
     """Wait for an async collective; a failure (peer died, timeout) becomes an error naming ``what`` (a string,
     or a function returning one, called only if it is needed). ``group``: the collective's process group

@@ -63,7 +63,7 @@ from shardwise.errors import ShardwiseError
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast_buffers", "clip_grad_norm", "state_dict",
        "summon_full_params", "checkpoint", "kept_copy_agreement", "grad_reduction",
-       "optimizer_state_check")
+       "optimizer_state_check", "tensor_hook_gather", "overflow_vote", "load_state_dict")
 MODEL = 256**3 - 1  # the unit field of a collective that belongs to the model as a whole, not to one unit
 PHASES = ("idle", "forward", "backward")
 
@@ -147,7 +147,8 @@ class CollectiveChecker:
         whatever each rank is about to do: two ranks calling different collectives of different sizes would
         otherwise meet in one collective that gloo aborts ("Received data size doesn't match") before any
         fingerprint could be read. One tiny exchange per call; these calls are rare (a few a step at most:
-        clipping, a GradScaler's inf check, a logged gradient norm)."""
+        clipping, a GradScaler's inf check, a logged gradient norm). One collective is agreed and issued by
+        ``collectives.run_agreed``; a call made of several (a state dict) agrees once, here."""
         if self.group is None:
             return
         values = self._fingerprint(op, unit, group, numel)
@@ -230,13 +231,23 @@ class CollectiveChecker:
     def _describe(self, v: Sequence[int]) -> str:
         seq, op, unit, group, numel, phase = v
         what = OPS[op] if 0 <= op < len(OPS) else f"operation #{op}"
-        if what == "grad_reduction":  # shard_grad._combine: user code reducing over sharded gradients
-            what = "grad_reduction (p.grad.norm(), .sum(), clip_grad_norm_, GradScaler: every rank must call it)"
+        what += _USER_CALLS.get(what, "")
         phase_name = PHASES[phase] if 0 <= phase < len(PHASES) else f"phase #{phase}"
         if unit == MODEL:
             return f"{what} of the model ({numel} elements, {phase_name}, call {seq})"
         label = self.unit_labels[unit] if 0 <= unit < len(self.unit_labels) else f"#{unit}"
         return f"{what} of unit {label!r} (flat group {group}, {numel} elements, {phase_name}, call {seq})"
+
+
+# What user code starts each collective outside the unit schedule: the name a one-rank call is reported under.
+_USER_CALLS = {
+    "grad_reduction": " (p.grad.norm(), .sum(), clip_grad_norm_, GradScaler: every rank must call it)",
+    "tensor_hook_gather": " (a p.register_hook hook runs on the gathered gradient: every rank must register it)",
+    "overflow_vote": " (ShardedGradScaler.unscale_ / step: every rank must call it)",
+    "state_dict": " (full_state_dict: every rank must call it, rank 0 gets the dict)",
+    "load_state_dict": " (load_full_state_dict: every rank must call it)",
+    "summon_full_params": " (every rank must enter it)",
+}
 
 
 def _mix(h: int, values: Sequence[int]) -> int:
@@ -290,7 +301,7 @@ def _diagnose(rings: dict[int, dict]) -> tuple[str | None, list[str]]:
     checkers = _live()
     pending = [i for i in checkers if any((ring or {}).get(i, {}).get("log_len") for ring in rings.values())]
     shown = pending or sorted(checkers, key=int)[-1:]
-    found, lines = None, []
+    found, sections = None, []  # per checker: (who is behind or None, each rank's last collectives)
     for i in shown:
         c = checkers[i]
         per_rank = {r: ring.get(i) for r, ring in rings.items() if ring and ring.get(i)}
@@ -303,15 +314,16 @@ def _diagnose(rings: dict[int, dict]) -> tuple[str | None, list[str]]:
         if found is None and len(per_rank) > 1:
             found = _ring_difference(c, per_rank)
         latest = {r: v["ring"][-1] for r, v in per_rank.items() if v["ring"]}
+        behind = None
         if len({v[0] for v in latest.values()}) > 1:  # who is behind: the ranks with the fewest calls
             low = min(v[0] for v in latest.values())
-            behind = sorted(r for r, v in latest.items() if v[0] == low)
-            lines.append(f"ranks {behind} are behind: their last collective is call {low}, the others' is "
-                         f"call {max(v[0] for v in latest.values())}")
-        for r in sorted(per_rank):
-            last = per_rank[r]["ring"][-RING_SHOWN:]
-            if last:
-                lines.append(f"rank {r}'s last collectives: " + "; ".join(c._describe(v) for v in last))
+            behind = (f"ranks {sorted(r for r, v in latest.items() if v[0] == low)} are behind: their last "
+                      f"collective is call {low}, the others' is call {max(v[0] for v in latest.values())}")
+        sections.append((behind, [f"rank {r}'s last collectives: " + "; ".join(c._describe(v) for v in last)
+                                  for r in sorted(per_rank) if (last := per_rank[r]["ring"][-RING_SHOWN:])]))
+    # Who is behind is the story only while no disagreement is proven: ranks that parted count their calls
+    # differently without any of them being behind, and naming one would point at the wrong rank.
+    lines = [line for behind, rows in sections for line in ([behind] if behind and found is None else []) + rows]
     return found, lines
 
 

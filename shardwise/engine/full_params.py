@@ -93,12 +93,10 @@ def _refuse_rank_local_edits(rt, fulls) -> None:
                 x = full.narrow(0, s.offset, s.numel).to(torch.float64)
                 digests += [x.sum(), (x * torch.arange(1, s.numel + 1, dtype=torch.float64, device=x.device)).sum()]
         mine = torch.nan_to_num(torch.stack(digests), nan=1.5e300).cpu()  # NaN equals NaN here
-        if rt.checker is not None:
-            rt.checker.check_now("summon_full_params", 2 * mine.numel())
         both = torch.cat([mine, -mine]).to(rt.device)
-        for group in stages:
-            collectives.run_and_wait(dist.all_reduce, both, op=dist.ReduceOp.MAX, group=group,
-                                     what="the comparison of summon_full_params edits")
+        for group in stages:  # writeback=True on one rank only is named, not paired with another collective
+            collectives.run_agreed(rt.checker, "summon_full_params", dist.all_reduce, both, op=dist.ReduceOp.MAX,
+                                   group=group, what="the comparison of summon_full_params edits")
         both = both.cpu()
         n = mine.numel()
         differs = (both[:n] != -both[n:]).view(-1, 2).any(dim=1).tolist()

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from shardwise.engine import collectives
 from shardwise.engine.device import compute_device
+from shardwise.engine.logical_shapes import flat_group_of
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -59,9 +60,22 @@ class ShardedGradScaler(torch.amp.GradScaler):
         flag = torch.zeros((), dtype=torch.float32, device=self._flag_device)
         for f in found.values():
             flag = torch.maximum(flag, f.to(self._flag_device, torch.float32))
-        collectives.run_and_wait(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=self.process_group,
-                                 what="the fp16 overflow vote")
+        # Agreed first through the sharded model's fingerprint exchange: a scaler stepped on one rank only
+        # is a named error on every rank, not a vote paired with another rank's next collective.
+        collectives.run_agreed(_checker_of(optimizer), "overflow_vote", dist.all_reduce, flag, op=dist.ReduceOp.MAX,
+                               group=self.process_group, what="the fp16 overflow vote")
         if not found:  # this rank's shard holds no gradient: record the group's verdict anyway
             found[self._flag_device] = flag
         for f in found.values():
             f.copy_(flag)
+
+
+def _checker_of(optimizer: torch.optim.Optimizer):
+    """The fingerprint checker of the sharded model whose parameters ``optimizer`` steps (the first one's,
+    if several: they share one side exchange), or None: no shard parameter, or checks off."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            flat_group = flat_group_of(p)
+            if flat_group is not None:
+                return flat_group.checker
+    return None

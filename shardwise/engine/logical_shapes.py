@@ -67,6 +67,12 @@ def layout_of(p: torch.Tensor):
     return where
 
 
+def flat_group_of(p: torch.Tensor):
+    """The FlatGroup that shard parameter ``p`` belongs to, or None for any other tensor."""
+    where = getattr(p, _WHERE_ATTR, None)
+    return where[0] if where is not None else None
+
+
 def param_info(p: torch.Tensor) -> ParamInfo:
     """The logical name, full shape and this rank's element range of shard parameter ``p``."""
     group, i = layout_of(p)

@@ -158,11 +158,9 @@ def verify_state(optimizer, guard: _Guard) -> None:
             first_bad, why = i + 1, problem  # (the loop goes on: every entry's stamp is removed)
     verdict = torch.tensor([first_bad], dtype=torch.int64)
     for pg, device, checker in _shard_groups(guard):
-        if checker is not None:  # a rank stepping alone is named, not paired with another rank's collective
-            checker.check_now("optimizer_state_check", 1)
-        flag = verdict.to(device)
-        collectives.run_and_wait(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=pg,
-                                 what="the optimizer-state ownership check")
+        flag = verdict.to(device)  # agreed first: a rank stepping alone is named, not paired with another's collective
+        collectives.run_agreed(checker, "optimizer_state_check", dist.all_reduce, flag, op=dist.ReduceOp.MAX,
+                               group=pg, what="the optimizer-state ownership check")
         verdict = flag.cpu()
     bad = int(verdict[0])
     if bad:

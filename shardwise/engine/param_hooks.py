@@ -61,8 +61,10 @@ def full_grad(group, grad_shard: torch.Tensor) -> torch.Tensor:
         return grad_shard  # a group of one rank: the shard is the whole flat
     src = grad_shard.narrow(0, 0, group.plan.shard_numel).to(group.device)
     full = torch.empty(group.plan.padded_numel, dtype=src.dtype, device=group.device)
-    collectives.all_gather_into(full, src, group.pgs.shard, async_op=False,
-                                what=f"the gradient of unit {group.plan.unit_fqn or '<root>'!r} for its tensor hooks")
+    # Agreed first: a hook registered on one rank only would gather alone (collectives.run_agreed).
+    collectives.run_agreed(group.checker, "tensor_hook_gather", collectives.all_gather_into, full, src,
+                           group=group.pgs.shard, unit=group.ids[0],
+                           what=f"the gradient of unit {group.plan.unit_fqn or '<root>'!r} for its tensor hooks")
     return full
 
 

@@ -22,6 +22,7 @@ from shardwise.engine.pending_reduce import PendingReduce
 from shardwise.engine.mixed_precision import MixedPrecision
 from shardwise.engine.strategy import ProcessGroups, Strategy
 from shardwise.engine.unit import FrameKind, Phase, Unit
+from shardwise.engine.wrapper_refusal import refuse_deepcopy, refuse_pickle
 from shardwise.errors import ShardwiseError
 
 
@@ -56,15 +57,9 @@ class ModelRuntime:
         self.state_dict_keys = state_dict_keys  # the model's state_dict names before sharding (state_dict.py)
         self.device = device  # the compute device
 
-    def __deepcopy__(self, memo):
-        # copy.deepcopy(model) reaches this through every submodule's attribute: the copy would share this
-        # runtime's hooks, buffers and process groups, so it is refused by name instead of failing on a
-        # ProcessGroup pickle.
-        raise ShardwiseError(
-            "copy.deepcopy() of a sharded model: its parameters are this rank's shards and its runtime holds "
-            "process groups and gathered buffers. Copy the model before shardwise.shard() (and shard the copy "
-            "too), or keep copies of the shards: [p.detach().clone() for p in model.parameters()] (an EMA "
-            "updates them in place)")
+    # copy.deepcopy(model) and torch.save(model) reach this through every submodule's attribute: refused by
+    # name instead of failing on a ProcessGroup pickle (wrapper_refusal.py).
+    __deepcopy__, __reduce_ex__ = refuse_deepcopy, refuse_pickle
 
     def flat_groups(self):
         """Every flat group of the model, unit by unit in model order: the one walk over the model's memory
@@ -191,9 +186,8 @@ class ModelRuntime:
             return
         stale = torch.tensor([float(g.kept_copy_differs()) for g in kept], device=self.device)
         if self.pgs.shard is not None:
-            if self.checker is not None:
-                self.checker.check_now("kept_copy_agreement", stale.numel())
-            collectives.all_reduce_sum(stale, self.pgs.shard, what="the agreement on stale kept parameters")
+            collectives.run_agreed(self.checker, "kept_copy_agreement", collectives.all_reduce_sum, stale,
+                                   group=self.pgs.shard, what="the agreement on stale kept parameters")
         for g, n in zip(kept, stale.tolist()):
             if n:
                 g.refresh_due = True

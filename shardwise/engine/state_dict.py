@@ -102,7 +102,10 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     is_rank0 = dist.get_rank() == 0
     entries = _entries(rt, model)
     if rt.checker is not None:
-        rt.checker.check_now("state_dict", len(rt.units))
+        # Agreed once for the whole load: every broadcast below follows from the model's structure, the same
+        # on every rank, and rank 0's verdict on the keys is itself broadcast before anything depends on it.
+        # Its own op: a rank loading while another saves must not pass as agreement.
+        rt.checker.check_now("load_state_dict", len(rt.units))
     problem = collectives.broadcast_text(_validate(entries, state_dict) if is_rank0 else None, src=0)
     if problem:
         raise ShardwiseError(f"load_full_state_dict: {problem}")

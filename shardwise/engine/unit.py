@@ -45,6 +45,7 @@ from shardwise.engine.mixed_precision import cast_floating
 from shardwise.engine.nested import iter_tensors
 from shardwise.engine.plan import UnitPlan
 from shardwise.engine.shard_grad import local_only
+from shardwise.engine.wrapper_refusal import refuse_deepcopy, refuse_pickle
 
 if TYPE_CHECKING:
     from shardwise.engine.runtime import ModelRuntime
@@ -126,6 +127,9 @@ class Frame:
 class Unit:
     """Runtime state of one unit: its flat groups, its entry frames and its bindings."""
 
+    # The first engine object copy.deepcopy(model) / torch.save(model) reach (through module hooks).
+    __deepcopy__, __reduce_ex__ = refuse_deepcopy, refuse_pickle
+
     def __init__(self, plan: UnitPlan, groups: list[FlatGroup], runtime: "ModelRuntime"):
         self.plan = plan
         self.flat_groups = groups  # one per (dtype, requires_grad) of the unit's parameters
@@ -204,10 +208,12 @@ class Unit:
         for params, name, gi, pi in self._slots:
             g = self.flat_groups[gi]
             p = g.shard_params[pi]
-            if params[name] is not p:
+            if params.get(name) is not p:  # replaced, or moved (parametrize, weight_norm, prune move it)
                 raise ShardwiseError(
-                    f"parameter {g.plan.params[pi].fqn!r} of unit {self.label!r} was replaced after "
-                    f"shardwise.shard(); change parameters before shard(), or load values with "
+                    f"parameter {g.plan.params[pi].fqn!r} of unit {self.label!r} was "
+                    f"{'replaced' if name in params else 'removed from its module'} after shardwise.shard() "
+                    f"(torch.nn.utils.parametrize, weight_norm, spectral_norm and prune do this); apply them and "
+                    f"other changes of parameters before shard(), or load values with "
                     f"shardwise.load_full_state_dict / shardwise.summon_full_params(writeback=True)")
         for g in self.flat_groups:
             bad = g.changed_param()

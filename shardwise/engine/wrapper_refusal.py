@@ -1,0 +1,107 @@
+"""Refuse torch's data-parallel wrappers around a sharded model before they touch a parameter.
+
+DDP's constructor broadcasts rank 0's parameters to every rank and then all-reduces gradients by position.
+After ``shard()`` every rank's parameters are its own pieces of the whole: the broadcast would overwrite
+each rank's pieces with rank 0's (silently when the pieces have the same sizes, with torch's size error
+otherwise), and shardwise already averages the gradients. The DDP habit reaches us through user code,
+Accelerate's ``prepare(model)`` (MULTI_CPU / MULTI_GPU) and Hugging Face ``Trainer``, which calls it.
+
+The catch is DDP's own list of parameters to ignore, ``module._ddp_params_and_buffers_to_ignore`` (what
+``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` sets; torch 2.1 to 2.13 read it
+with ``set(...)`` in ``__init__`` before any collective): we put there an object whose iteration raises,
+so every rank raises when it constructs the wrapper, before the broadcast. Nothing else reads that name.
+
+FSDP2's ``fully_shard`` and the composable ``replicate`` would shard or broadcast the pieces again (ranks
+whose pieces differ in size abort in gloo); FSDP's and ``torch.distributed.checkpoint.state_dict``'s
+helpers walk the same registry and would treat the pieces as whole tensors. They all ask the module's
+composable-API registry first (``_composable/contract.py``), so there we put a registry whose membership
+test for those two APIs raises (see ``_composable_registry_key``); composable ``checkpoint`` still applies.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from shardwise.errors import ShardwiseError
+
+ATTR = "_ddp_params_and_buffers_to_ignore"
+SHARDING_APIS = ("fully_shard", "replicate")  # the composable APIs that would shard or replicate the pieces
+
+
+class _RefuseDDP:
+    """Stands where DDP looks for its ignore list; iterating it (DDP's constructor does) raises."""
+
+    def __init__(self, module_name: str):
+        self.module_name = module_name
+
+    def __iter__(self):
+        raise ShardwiseError(
+            f"DistributedDataParallel around this {self.module_name}, which shardwise.shard() already "
+            f"shards (DDP would overwrite every rank's parameter pieces with rank 0's and all-reduce them again): "
+            f"use the sharded model as it is (it averages gradients itself); with Accelerate, pass only the "
+            f"optimizer and data loaders to accelerator.prepare(), not the model. Hugging Face Trainer wraps "
+            f"the model this way and is not supported on a sharded model")
+
+    def __reduce__(self):  # a pickled model (torch.save(model)) keeps the refusal
+        return (_RefuseDDP, (self.module_name,))
+
+
+class _RefuseComposable(dict):
+    """A composable-API registry (a dict, as torch checks) that raises when asked what it holds."""
+
+    def __init__(self, module_name: str):
+        super().__init__()
+        self.module_name = module_name
+
+    def __contains__(self, key):
+        if key not in SHARDING_APIS:  # composable checkpoint() and others compose with a sharded model
+            return super().__contains__(key)
+        raise ShardwiseError(
+            f"torch.distributed's fully_shard, replicate and the FSDP / torch.distributed.checkpoint.state_dict "
+            f"helpers (asked for {key!r}) cannot be used on this {self.module_name}, which shardwise.shard() "
+            f"already shards: its parameters are this rank's 1-D "
+            f"pieces, not whole tensors. Use shardwise's own: the sharded model trains as it is; "
+            f"shardwise.full_state_dict / save_checkpoint / load_checkpoint for checkpoints")
+
+    def __reduce__(self):
+        return (_RefuseComposable, (self.module_name,))
+
+
+def _composable_registry_key():
+    """Where ``torch.distributed._composable.contract`` keeps a module's registry of composable APIs in
+    ``module.__dict__`` (private; checked on torch 2.11 and 2.13: ``contract`` and ``_get_registry`` test
+    membership with ``in``). None where that module is missing."""
+    try:
+        from torch.distributed._composable.contract import REGISTRY_KEY
+    except ImportError:
+        return None
+    return REGISTRY_KEY
+
+
+def refuse_wrappers(model: nn.Module) -> None:
+    """Make DDP, ``fully_shard``, ``replicate`` and FSDP's state-dict helpers raise for ``model`` and each of
+    its submodules."""
+    registry_key = _composable_registry_key()
+    for m in model.modules():
+        m.__dict__[ATTR] = _RefuseDDP(type(m).__name__)
+        if registry_key is not None:
+            m.__dict__[registry_key] = _RefuseComposable(type(m).__name__)
+
+
+def refuse_pickle(self, protocol):
+    """``__reduce_ex__`` of the objects a sharded module reaches first (its units through their hooks, its
+    runtime): ``torch.save(model)`` / ``pickle.dumps(model)`` are refused by name instead of failing on a
+    ProcessGroup."""
+    raise ShardwiseError(
+        "torch.save(model) / pickle of a sharded model: its runtime holds process groups and its parameters "
+        "are this rank's shards. Save weights instead: torch.save(model.state_dict(), f'model-rank{rank}.pt') "
+        "per rank, shardwise.full_state_dict(model) on rank 0, or shardwise.save_checkpoint")
+
+
+def refuse_deepcopy(self, memo):
+    """``__deepcopy__`` of the same objects: the copy would share hooks, buffers and process groups."""
+    raise ShardwiseError(
+        "copy.deepcopy() of a sharded model: its parameters are this rank's shards and its runtime holds "
+        "process groups and gathered buffers. Copy the model before shardwise.shard() (and shard the copy "
+        "too), or keep copies of the shards: [p.detach().clone() for p in model.parameters()] (an EMA "
+        "updates them in place)")
