@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from shardwise.engine.shard_grad import local_only
+
 GLOBAL_BATCH = 12  # divisible by every world size tested: 1, 2, 3, 4
 SEQ_LEN = 8
 
@@ -130,7 +132,8 @@ def sharded_param_errors(model: nn.Module, reference: nn.Module) -> dict[str, fl
         for g in unit.flat_groups:
             for spec, p, (lo, hi, _) in zip(g.plan.params, g.shard_params, g.local_slices):
                 ref = reference.get_parameter(spec.fqn).detach().reshape(-1)[lo:hi].to(torch.float64)
-                mine = p.detach().to(torch.float64)
+                with local_only():  # this rank's piece as it is (a ShardParam's sums would span the ranks)
+                    mine = p.detach().to(torch.float64)
                 assert mine.numel() == hi - lo, f"{spec.fqn}: shard piece has {mine.numel()} != {hi - lo} elements"
                 names.append(spec.fqn)
                 sq.append(torch.stack([(mine - ref).pow(2).sum(), ref.pow(2).sum()]))
@@ -411,7 +414,8 @@ def whole_model_rel_err(model: nn.Module, reference: nn.Module) -> float:
         for g in unit.flat_groups:
             for spec, p, (lo, hi, _) in zip(g.plan.params, g.shard_params, g.local_slices):
                 ref = reference.get_parameter(spec.fqn).detach().reshape(-1)[lo:hi].to(torch.float64)
-                diff += torch.stack([(p.detach().to(torch.float64) - ref).pow(2).sum(), ref.pow(2).sum()])
+                with local_only():  # (see sharded_param_errors)
+                    diff += torch.stack([(p.detach().to(torch.float64) - ref).pow(2).sum(), ref.pow(2).sum()])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(diff)
     return math.sqrt(diff[0].item() / diff[1].item())

@@ -13,8 +13,9 @@ Reading order of one training step (full_shard, the default), in five files:
 5. ``collectives.py`` the torch.distributed calls and the one ``wait`` (through ``watchdog.py``).
 
 Then ``grad_norm.py`` (``clip_grad_norm_``) and the user's ``optimizer.step()`` on the shard parameters.
-torch's own APIs on those pieces: ``shard_grad.py`` (gradients whose norms span the ranks),
-``optimizer_guard.py`` (which optimizers, whose state), ``param_hooks.py`` (``p.register_hook``).
+torch's own APIs on those pieces: ``shard_grad.py`` (parameters and gradients whose norms span the ranks),
+``shard_param.py`` (the parameter type; autograd calls naming parameters), ``direct_grads.py`` (penalties
+computed from the parameters), ``optimizer_guard.py`` (which optimizers, whose state), ``param_hooks.py`` (``p.register_hook``).
 What users put around the model: ``wrapper_refusal.py`` (DDP, ``fully_shard``, pickling refused),
 ``state_dict_stamps.py`` (``model.state_dict()`` / ``load_state_dict`` whose pieces), ``dcp_pieces.py``
 (torch.distributed.checkpoint of the pieces refused).

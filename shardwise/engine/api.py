@@ -104,6 +104,8 @@ def shard(
             for gi, gp in enumerate(up.groups):
                 flat_groups[id(gp)].attach_checker(runtime.checker, ui, gi)
     runtime.units = [Unit(up, [flat_groups[id(gp)] for gp in up.groups], runtime) for up in plan.units]
+    for g in flat_groups.values():
+        g.direct.on_arrival = runtime.begin_backward  # a penalty's backward ends in end_backward too
     _install_hooks(model, runtime, activation_checkpointing)
     refuse_wrappers(model)  # DDP (Accelerate's prepare), fully_shard would redo the sharding on the pieces
     state_dict_stamps.install(model, runtime)  # model.state_dict() pieces say whose they are

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from shardwise.engine import shard_grad
 from shardwise.engine.logical_shapes import param_info
 from shardwise.errors import ShardwiseError
 
@@ -43,7 +44,11 @@ def mark_pieces(model: nn.Module, state_dict: dict, prefix: str) -> None:
         for name, p in module._parameters.items():
             key = f"{prefix}{module_name}.{name}" if module_name else f"{prefix}{name}"
             value = state_dict.get(key)
-            if value is None or value is p or type(value) is not torch.Tensor:  # keep_vars=True: the parameter
+            if value is None or value is p:  # keep_vars=True: the parameter
+                continue
+            if isinstance(value, shard_grad.ShardPiece):  # p.detach() of a ShardParam: the same memory, plain here
+                value = state_dict[key] = shard_grad.strip(value)
+            elif type(value) is not torch.Tensor:
                 continue
             try:
                 info = param_info(p)

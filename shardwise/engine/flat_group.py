@@ -37,10 +37,13 @@ from shardwise.engine.group_fingerprint import GroupFingerprint, Unchecked
 from shardwise.errors import ShardwiseError
 from shardwise.engine.mixed_precision import MixedPrecision
 from shardwise.engine.cpu_offload import CPUOffload
-from shardwise.engine.param_hooks import full_grad, has_tensor_hooks, hooked_piece, refuse_under_no_sync, tensor_hooks
+from shardwise.engine.direct_grads import DirectGrads, accumulate_into_grad
+from shardwise.engine.param_hooks import (full_grad, has_tensor_hooks, hooked_piece, post_accumulate_grad_hooks,
+                                          refuse_under_no_sync, run_post_accumulate_grad_hooks, tensor_hooks)
 from shardwise.engine.pending_reduce import PendingReduce
 from shardwise.engine.plan import FlatGroupPlan
-from shardwise.engine.shard_grad import as_shard_grad, register_group
+from shardwise.engine.shard_grad import local_only, register_group
+from shardwise.engine.shard_param import make_shard_param
 from shardwise.engine.strategy import ProcessGroups
 
 
@@ -66,7 +69,8 @@ class FlatGroup:
         self.wants_kept_gathered = keep_gathered  # ZeRO-1/2: see strategy.Strategy.keeps_params_gathered
         self.all_reduce_grads = all_reduce_grads and groups.shard is not None  # ZeRO-1
         self.pgs = groups  # the process groups it shards and replicates over
-        # Gradients are handed out as ShardGrads (exact under torch's norms) where the shard group has ranks.
+        # Parameters are ShardParams and gradients ShardGrads (exact under torch's norms) where the shard group
+        # has ranks; key 0 (no shard group): whole tensors (shard_param.py, shard_grad.py).
         self.grad_key = register_group(groups.shard, device) if groups.shard is not None else 0
         self.device = device
         self.offload = offload
@@ -79,7 +83,8 @@ class FlatGroup:
             lo, hi = spec.local_range(start, end)
             self.local_slices.append((lo, hi, spec.offset + lo - start if hi > lo else 0))
         self.shard_params: list[nn.Parameter] = [
-            nn.Parameter(torch.empty(0, dtype=plan.dtype), requires_grad=spec.requires_grad) for spec in plan.params]
+            make_shard_param(torch.empty(0, dtype=plan.dtype), self.grad_key, spec.requires_grad) for spec in plan.params]
+        self.direct = DirectGrads()  # gradients that reach the parameters directly (a penalty): direct_grads.py
         # The autograd input of this group's UnshardParams (runtime.py): an empty leaf that needs a gradient.
         self.grad_anchor = torch.empty(0, device=device, requires_grad=True)
         # How this group's collectives are fingerprinted, and the room they need after the data.
@@ -107,16 +112,17 @@ class FlatGroup:
         else:
             self.shard = torch.empty(plan.shard_numel, dtype=dtype, device=self.device)
         self.shard.zero_()  # padding stays zero forever: checksums and exports are deterministic
-        for p, (lo, hi, at), value in zip(self.shard_params, self.local_slices, values):
-            piece = self.shard.narrow(0, at, hi - lo)
-            if value is not None:
-                piece.copy_(value)
-            p.data = piece
-        # Where each shard parameter's data must stay: a conversion after shard() (model.half(), p.data = ...)
-        # moves it, and forward would silently keep computing with the flat shard (see changed_param).
-        # The storage, not the data pointer: a rank's empty piece has data_ptr 0 whatever it points into, and
-        # the verdict must be the same on every rank (one rank raising alone would leave the others waiting).
-        self._param_homes = [_home(p) for p in self.shard_params]
+        with local_only():
+            for p, (lo, hi, at), value in zip(self.shard_params, self.local_slices, values):
+                piece = self.shard.narrow(0, at, hi - lo)
+                if value is not None:
+                    piece.copy_(value)
+                p.data = piece
+            # Where each shard parameter's data must stay: a conversion after shard() (model.half(), p.data =
+            # ...) moves it, and forward would silently keep computing with the flat shard (see changed_param).
+            # The storage, not the data pointer: a rank's empty piece has data_ptr 0 whatever it points into, and
+            # the verdict must be the same on every rank (one rank raising alone would leave the others waiting).
+            self._param_homes = [_home(p) for p in self.shard_params]
 
         # With one rank per shard group, no cast and no offload, the "gathered" buffer *is* the shard:
         # nothing to communicate and nothing to free (no_shard / DDP).
@@ -141,7 +147,8 @@ class FlatGroup:
 
     def shard_version(self) -> tuple:
         """Changes whenever the shard is written in place (optimizer step, load, user code under no_grad)."""
-        return (version_counter(self.shard),) + tuple(version_counter(p) for p in self.shard_params)
+        with local_only():
+            return (version_counter(self.shard),) + tuple(version_counter(p) for p in self.shard_params)
 
     def kept_copy_differs(self) -> bool:
         """ZeRO-1/2, this rank's view: whether the kept gathered buffer no longer holds what gathering the
@@ -204,8 +211,10 @@ class FlatGroup:
     def attach_checker(self, checker: CollectiveChecker, unit_index: int, group_index: int) -> None:
         """Fingerprint every collective of this group from now on (group_fingerprint.py)."""
         self.ids = (unit_index, group_index)
-        if self.grad_key:  # the gradients' own reductions (p.grad.norm()) are checked by this model's checker
+        if self.grad_key:  # reductions of the pieces (p.grad.norm(), p.norm()) are checked by this model's checker
             self.grad_key = register_group(self.pgs.shard, self.device, checker)
+            for p in self.shard_params:
+                p._shard_key = self.grad_key
         self.fingerprint = GroupFingerprint(checker, self.ids, self.pgs, self.device, self.param_dtype,
                                             self.all_reduce_grads)
         if not self.aliases_shard:
@@ -217,13 +226,15 @@ class FlatGroup:
     # ---- parameters -------------------------------------------------------------------------------
     def any_requires_grad(self) -> bool:
         """Read at every forward: parameters may be frozen or unfrozen after shard()."""
-        return any(p.requires_grad for p in self.shard_params)
+        with local_only():
+            return any(p.requires_grad for p in self.shard_params)
 
     def changed_param(self) -> Optional[int]:
         """Index of the first shard parameter whose data is no longer its piece of the flat shard, or None."""
-        for i, (p, home) in enumerate(zip(self.shard_params, self._param_homes)):
-            if _home(p) != home:
-                return i
+        with local_only():
+            for i, (p, home) in enumerate(zip(self.shard_params, self._param_homes)):
+                if _home(p) != home:
+                    return i
         return None
 
     def full_views(self) -> list[torch.Tensor]:
@@ -322,7 +333,7 @@ class FlatGroup:
         if not sync:
             refuse_under_no_sync(self)
             self._unsynced_grad = flat
-            self._hand_out_unsynced()
+            self.mark_unsynced()
             return None
         dp = self.pgs.data_parallel_size
         # Low-precision sums divide first so they cannot overflow; fp32 divides once at the end, which
@@ -358,18 +369,15 @@ class FlatGroup:
             grad_shard = grad_shard.to(device=self.shard.device, dtype=self.plan.dtype)
         full = full_grad(self, grad_shard) if has_tensor_hooks(self) else None  # (param_hooks.py)
         for p, (lo, hi, at), spec in zip(self.shard_params, self.local_slices, self.plan.params):
-            if not p.requires_grad:
+            with local_only():
+                trainable, hooked = p.requires_grad, full is not None and bool(tensor_hooks(p))
+            if not trainable:
                 continue  # frozen after shard(): autograd would give it no gradient either
-            if full is not None and tensor_hooks(p):
+            if hooked:  # (user code: runs with pieces' rules on)
                 piece = hooked_piece(p, spec, full, lo, hi).to(grad_shard.device)
             else:
                 piece = grad_shard.narrow(0, at, hi - lo)
-            if self.grad_key:
-                piece = as_shard_grad(piece, self.grad_key)
-            if p.grad is None:
-                p.grad = piece
-            else:
-                p.grad.add_(piece)
+            accumulate_into_grad(p, piece, self.grad_key)
             run_post_accumulate_grad_hooks(p)
 
     # [Note: the no_sync accumulator follows p.grad] Under no_sync the gradient accumulates unsharded,
@@ -378,19 +386,21 @@ class FlatGroup:
     # accumulator lives only while every one of those is still the same tensor, unwritten. So
     # ``optimizer.zero_grad()`` (to None, or zeroed in place), ``p.grad = None`` or any write to the
     # gradients drops the accumulated micro-batches, as in plain torch and DDP.
-    def _hand_out_unsynced(self) -> None:
+    def mark_unsynced(self) -> None:
         marks = []
-        for p in self.shard_params:
-            if p.requires_grad:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                marks.append((p, p.grad, version_counter(p.grad)))
+        with local_only():
+            for p in self.shard_params:
+                if p.requires_grad:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    marks.append((p, p.grad, version_counter(p.grad)))
         self._unsynced_marks = marks
 
     def has_unsynced_grad(self) -> bool:
-        if self._unsynced_grad is not None and any(
-                p.grad is not grad or version_counter(grad) != v for p, grad, v in self._unsynced_marks):
-            self._unsynced_grad = None  # the user dropped or rewrote the gradients it belonged to
+        with local_only():
+            if self._unsynced_grad is not None and any(
+                    p.grad is not grad or version_counter(grad) != v for p, grad, v in self._unsynced_marks):
+                self._unsynced_grad = None  # the user dropped or rewrote the gradients it belonged to
         return self._unsynced_grad is not None
 
 
@@ -432,18 +442,3 @@ def version_counter(t: torch.Tensor) -> int:
 
 def _home(p: torch.Tensor) -> tuple:
     return p.untyped_storage().data_ptr(), p.storage_offset(), p.dtype, p.device
-
-
-def run_post_accumulate_grad_hooks(p: torch.Tensor) -> None:
-    """Hooks from ``p.register_post_accumulate_grad_hook`` (optimizer-in-backward). Autograd runs them from
-    its AccumulateGrad node, which shard gradients bypass (they are views of the reduced flat shard), so we
-    run them when the gradient is handed out, as torch FSDP2 does. Private attribute
-    ``_post_accumulate_grad_hooks`` (checked on torch 2.11 and 2.13), read in ``post_accumulate_grad_hooks``."""
-    hooks = post_accumulate_grad_hooks(p)
-    if hooks:
-        for hook in list(hooks.values()):
-            hook(p)
-
-
-def post_accumulate_grad_hooks(p: torch.Tensor) -> dict | None:
-    return getattr(p, "_post_accumulate_grad_hooks", None)

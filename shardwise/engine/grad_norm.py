@@ -24,7 +24,8 @@ def _shard_grads(rt: ModelRuntime) -> Iterator[torch.Tensor]:
 
 def group_grads(group: FlatGroup) -> list[torch.Tensor]:
     """The gradients a flat group's shard parameters hold, in parameter order (the norm's summation order)."""
-    return [p.grad for p in group.shard_params if p.grad is not None]
+    with local_only():
+        return [p.grad for p in group.shard_params if p.grad is not None]
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

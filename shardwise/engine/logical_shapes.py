@@ -53,9 +53,14 @@ def register(groups) -> None:
             setattr(p, _WHERE_ATTR, (g, i))
 
 
+def where_of(p: torch.Tensor):
+    """``(FlatGroup, index)`` of a shard parameter, or None for any other tensor (a copy of one included)."""
+    return getattr(p, _WHERE_ATTR, None)
+
+
 def layout_of(p: torch.Tensor):
     """``(FlatGroup, index)`` of a shard parameter; a ShardwiseError for any other tensor."""
-    where = getattr(p, _WHERE_ATTR, None)
+    where = where_of(p)
     if where is None:
         raise ShardwiseError(f"a parameter of shape {tuple(p.shape)} is not a shardwise shard parameter: take "
                              f"parameters from model.parameters() after shardwise.shard(model)")

@@ -35,6 +35,7 @@ import torch
 
 from shardwise.engine.device import copy_streams
 from shardwise.engine.cpu_offload import CPUOffload
+from shardwise.engine.shard_grad import local_only
 
 
 class Landing:
@@ -84,7 +85,8 @@ class OffloadTransfers:
         """Start copying a reduced gradient shard to the host. ``final``: the group receives no other
         gradient in this backward (its optimizer step may start once this one lands)."""
         self._settle(group)  # an earlier gradient of this group is handed out first: it decides where this goes
-        has_grad = any(p.grad is not None for p in group.shard_params)
+        with local_only():
+            has_grad = any(p.grad is not None for p in group.shard_params)
         buffer = self._host_buffer(group, "incoming" if has_grad else "grad")
         self.d2h.wait_stream(self.streams.current_stream())  # the reduced shard is complete on the compute stream
         with self.streams.using(self.d2h):

@@ -31,9 +31,15 @@ def adopt_tensor_hooks(old: torch.Tensor, new: torch.Tensor) -> None:
     it replaces: the same dicts, so a handle from ``old.register_hook`` still removes its hook."""
     if tensor_hooks(old):
         new._backward_hooks = old._backward_hooks
-    post = getattr(old, "_post_accumulate_grad_hooks", None)
+    post = post_accumulate_grad_hooks(old)
     if post:
         new._post_accumulate_grad_hooks = post
+
+
+def post_accumulate_grad_hooks(p: torch.Tensor) -> dict | None:
+    """``p.register_post_accumulate_grad_hook``'s hooks. Private attribute ``_post_accumulate_grad_hooks``
+    (checked on torch 2.11 and 2.13)."""
+    return getattr(p, "_post_accumulate_grad_hooks", None)
 
 
 def has_tensor_hooks(group) -> bool:
@@ -73,3 +79,16 @@ def hooked_piece(p: torch.Tensor, spec, full: torch.Tensor, lo: int, hi: int) ->
                                      f"for a gradient of shape {tuple(grad.shape)}")
             grad = out
     return grad.reshape(-1)[lo:hi]
+
+
+def run_post_accumulate_grad_hooks(p: torch.Tensor) -> None:
+    """Hooks from ``p.register_post_accumulate_grad_hook`` (optimizer-in-backward). Autograd runs them from
+    its AccumulateGrad node, which shard gradients bypass (they are views of the reduced flat shard), so we
+    run them when the gradient is handed out, as torch FSDP2 does. Private attribute
+    ``_post_accumulate_grad_hooks`` (checked on torch 2.11 and 2.13)."""
+    hooks = post_accumulate_grad_hooks(p)
+    if hooks:
+        for hook in list(hooks.values()):
+            hook(p)
+
+

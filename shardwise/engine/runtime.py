@@ -161,6 +161,8 @@ class ModelRuntime:
             self.transfers.end_backward()  # every offloaded gradient on the host and handed out
         if self.checker is not None:
             self.checker.agree()  # before backward returns: no gradient reaches an optimizer unchecked
+        for g in self.flat_groups():
+            g.direct.hand_out(g)  # penalties computed from the parameters themselves (direct_grads.py)
         for u in self.units:
             u.owed_backwards = 0
             u.backward_views = None
@@ -211,6 +213,8 @@ class ModelRuntime:
     def recover(self) -> None:
         while self._pending:
             self._pending.popleft().finish(discard=True)
+        for g in self.flat_groups():
+            g.direct.drop()
         if self.transfers is not None:
             self.transfers.recover()
         for u in self.units:

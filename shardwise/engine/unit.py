@@ -44,6 +44,7 @@ from shardwise.engine.flat_group import FlatGroup
 from shardwise.engine.mixed_precision import cast_floating
 from shardwise.engine.nested import iter_tensors
 from shardwise.engine.plan import UnitPlan
+from shardwise.engine.shard_grad import local_only
 from shardwise.engine.wrapper_refusal import refuse_deepcopy, refuse_pickle
 
 if TYPE_CHECKING:
@@ -90,7 +91,8 @@ class UnshardParams(torch.autograd.Function):
         ctx.group, ctx.ticket = group, ticket
         ctx.set_materialize_grads(False)  # unused parameters arrive as None, not as zero tensors
         views = group.full_views()
-        frozen = [v for v, p in zip(views, group.shard_params) if not p.requires_grad]
+        with local_only():
+            frozen = [v for v, p in zip(views, group.shard_params) if not p.requires_grad]
         if frozen:  # frozen after shard(): no gradient is computed for it, none handed out
             ctx.mark_non_differentiable(*frozen)
         return tuple(views)

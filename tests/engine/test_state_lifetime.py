@@ -240,7 +240,7 @@ def _offload_muon_kwargs(rank, world):
             opt.step()
             opt.zero_grad()
         params.append([p.detach().clone() for p in model.parameters()])
-    return {"err": max((a - b).abs().max().item() for a, b in zip(*params) if a.numel())}
+    return {"err": max((a - b).abs().max().item() for a, b in zip(*params))}  # (pieces: every rank calls each)
 
 
 class _Ordered(nn.Module):
@@ -316,7 +316,7 @@ def _native_offload_steps_after_compare(rank, world):
             opt.zero_grad()
             params.append([p.detach().clone() for p in model.parameters()])
     return {"moved_in_backward": moved_in_backward,
-            "err": max((a - b).abs().max().item() for a, b in zip(*params) if a.numel())}
+            "err": max((a - b).abs().max().item() for a, b in zip(*params))}  # (pieces: every rank calls each)
 
 
 def _batchnorm_is_ddp(rank, world):

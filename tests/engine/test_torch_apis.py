@@ -15,6 +15,7 @@ size 2 under three strategies runs by default, the other two and world size 3 (u
 
 from __future__ import annotations
 
+import contextlib
 import io
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
@@ -199,8 +200,9 @@ def _mesh(ws):
     return init_device_mesh("cpu", (ws, 1), mesh_dim_names=("replicate", "shard"))
 
 
-def hooked(before_shard: bool, make_hook, no_sync: bool = False):
-    """Tensor hooks on every parameter, ``make_hook(p)`` for each, registered before or after shard()."""
+def hooked(before_shard: bool, make_hook, no_sync: bool = False, penalty=None):
+    """Tensor hooks on every parameter, ``make_hook(p)`` for each, registered before or after shard();
+    ``penalty(params)`` added to the loss."""
 
     def run(ctx: Ctx, batches):
         if not before_shard:
@@ -214,7 +216,7 @@ def hooked(before_shard: bool, make_hook, no_sync: bool = False):
                     ctx.loss((x[:6], y[:6])).backward()
                 ctx.loss((x[6:], y[6:])).backward()
             else:
-                ctx.loss(batch).backward()
+                (ctx.loss(batch) + (0.05 * penalty(ctx.params()) if penalty else 0.0)).backward()
             opt.step()
             opt.zero_grad()
     run.hook_before_shard = make_hook if before_shard else None
@@ -230,7 +232,7 @@ def mask_hook(p):  # a fixed mask in the parameter's full shape (pruning, frozen
     return lambda g: g * mask
 
 
-def post_accumulate_hooks(ctx: Ctx, batches):  # optimizer in backward, one SGD per parameter
+def post_accumulate_hooks(ctx: Ctx, batches, penalty=None):  # optimizer in backward, one SGD per parameter
     opts = {p: sgd([p]) for p in ctx.params()}
     def step_now(q):
         opts[q].step()
@@ -239,7 +241,56 @@ def post_accumulate_hooks(ctx: Ctx, batches):  # optimizer in backward, one SGD 
     for p in ctx.params():
         p.register_post_accumulate_grad_hook(step_now)
     for batch in batches:
-        ctx.loss(batch).backward()
+        (ctx.loss(batch) + (0.05 * penalty(ctx.params()) if penalty else 0.0)).backward()
+
+
+def weight_norms(ctx: Ctx):  # weight-norm logging, grad mode on as in a plain training loop
+    ps = ctx.params()
+    ctx.record(torch.nn.utils.get_total_norm(ps))
+    ctx.record(torch.nn.utils.parameters_to_vector(ps).norm())
+    ctx.record(torch.stack([p.norm() for p in ps]).norm())
+    ctx.record(max(float(p.abs().max()) for p in ps))
+    ctx.record(sum(float(p.data.float().pow(2).sum()) for p in ps))
+
+
+def penalised(penalty, no_sync: bool = False):
+    """``loss + 0.05 * penalty(params)`` back-propagated (an L2 penalty written by hand), SGD steps."""
+
+    def run(ctx: Ctx, batches):
+        opt = sgd(ctx.params())
+        for batch in batches:
+            if no_sync:  # two micro-batches, the penalty in the first (unsynced where sharded)
+                x, y = batch
+                with shardwise.no_sync(ctx.model) if ctx.sharded else contextlib.nullcontext():
+                    (ctx.loss((x[:6], y[:6])) + 0.05 * penalty(ctx.params())).backward()
+                ctx.loss((x[6:], y[6:])).backward()
+            else:
+                value = penalty(ctx.params())
+                ctx.record(value)
+                (ctx.loss(batch) + 0.05 * value).backward()
+            opt.step()
+            opt.zero_grad()
+    return run
+
+
+def l2(ps):
+    return sum(p.pow(2).sum() for p in ps)
+
+
+def backward_with_inputs(pick, functional: bool = False):
+    """SGD steps whose backward names its inputs: ``pick(params)``."""
+
+    def run(ctx: Ctx, batches):
+        opt = sgd(ctx.params())
+        for batch in batches:
+            loss = ctx.loss(batch)
+            if functional:
+                torch.autograd.backward(loss, inputs=pick(ctx.params()))
+            else:
+                loss.backward(inputs=pick(ctx.params()))
+            opt.step()
+            opt.zero_grad()
+    return run
 
 
 def autograd_grad(ctx: Ctx, batches):
@@ -361,9 +412,26 @@ ROWS = [
     Row("register_hook: normalise by its norm", hooked(False, lambda p: lambda g: g / (g.norm() + 1.0))),
     Row("register_hook under no_sync", hooked(False, lambda p: lambda g: g * 0.5, no_sync=True), "has a tensor hook"),
     Row("register_post_accumulate_grad_hook", post_accumulate_hooks),
-    # Not exact, not ours: torch finds no path from the loss to the shard parameters (gradients reach them
-    # through the reduce-scatter) and says so on every rank; documented in the README.
-    Row("autograd.grad(loss, parameters)", autograd_grad, TORCH + "appears to not have been used in the graph"),
+    # Parameters themselves: reductions exact (and differentiable where additive), autograd calls by name.
+    Row("get_total_norm(parameters), parameters_to_vector(parameters).norm(), p.norm(), p.abs().max()",
+        train(after_backward=weight_norms)),
+    Row("p.sort() (positions in the whole)", train(after_backward=lambda ctx: ctx.params()[0].sort()),
+        sharded_only("depends on positions in the whole tensor")),
+    Row("L2 penalty by hand: loss + wd * sum(p.pow(2).sum())", penalised(l2)),
+    Row("penalty from get_total_norm(parameters) ** 2",
+        penalised(lambda ps: torch.nn.utils.get_total_norm(ps) ** 2)),
+    Row("L2 penalty by hand under no_sync", penalised(l2, no_sync=True)),
+    Row("penalty from p.abs().max() (a maximum across ranks)",
+        penalised(lambda ps: sum(p.abs().max() for p in ps)), sharded_only("backward through Tensor.max")),
+    Row("L2 penalty by hand with a tensor hook", hooked(False, clamp_hook, penalty=l2), "has a tensor hook or a post"),
+    Row("L2 penalty by hand with post-accumulate-grad hooks", lambda ctx, b: post_accumulate_hooks(ctx, b, penalty=l2),
+        "has a tensor hook or a post"),
+    Row("loss.backward(inputs=all parameters)", backward_with_inputs(list)),
+    Row("torch.autograd.backward(loss, inputs=all parameters)", backward_with_inputs(list, functional=True)),
+    Row("loss.backward(inputs=some parameters)", backward_with_inputs(lambda ps: ps[:3]),
+        "names some parameters of a sharded flat group"),
+    # Refused in every strategy: a shard's gradient exists only as the reduction into p.grad.
+    Row("autograd.grad(loss, parameters)", autograd_grad, "torch.autograd.grad(..., inputs=<parameters"),
     Row("in-place write before forward", train(before_forward=scale_all(0.99))),
     Row("in-place write between forward and backward", train(between=scale_all(0.99)), WRITTEN),
     Row("optimizer.step() between forward and backward (GAN)", step_between_forward_and_backward, WRITTEN),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import io
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import pytest
 import torch
@@ -293,7 +293,7 @@ def compiled(rank, ws):
 class Row:
     name: str
     run: Callable
-    expect: Optional[str] = None  # None: exact; text: the ShardwiseError's text on every rank
+    expect: Union[str, tuple, None] = None  # None: exact; text (or one of several): the ShardwiseError on every rank
     wrapped_by: Optional[str] = None  # the exception type a library raises with our error's text inside
 
 
@@ -322,7 +322,9 @@ ROWS = [
     Row("load_state_dict of full_state_dict, another strategy", full_state_dict_round_trip),
     Row("spectral_norm after shard", after_shard(lambda m: torch.nn.utils.parametrizations.spectral_norm(m.lm_head)),
         MOVED),
-    Row("prune after shard", after_shard(prune_head), MOVED),
+    # L1 pruning ranks the parameter's elements: its topk of a ShardParam is refused at the call; a rank whose
+    # piece is empty prunes nothing there and is refused at the next forward instead.
+    Row("prune after shard", after_shard(prune_head), ("depends on positions in the whole tensor", MOVED)),
     Row("register_parametrization after shard", after_shard(parametrize_head), MOVED),
     Row("composable checkpoint(block) after shard", after_shard(composable_checkpoint)),
     Row("model.apply(zeros_/ones_/constant_ init) after shard", after_shard(deterministic_init)),
@@ -368,7 +370,8 @@ def _check(results: list, row: Row) -> None:
             continue
         if row.expect is not None:
             text = out.get("shardwise_error")
-            assert text is not None and row.expect in text, (
+            alternatives = row.expect if isinstance(row.expect, tuple) else (row.expect,)
+            assert text is not None and any(e in text for e in alternatives), (
                 f"rank {rank}: expected ShardwiseError containing {row.expect!r}, got {out}")
             continue
         assert "shardwise_error" not in out and "other_error" not in out, f"rank {rank}: {out}"
