@@ -51,10 +51,10 @@ class _RecordCollectives:
         for name in ("all_gather_into", "reduce_scatter_into", "all_reduce_sum"):
             original = self._saved[name] = getattr(collectives, name)
 
-            def record(a, b=None, *args, _name=name, _orig=original, **kwargs):
-                buffer = b if _name == "reduce_scatter_into" else a
+            def record(*args, _name=name, _orig=original, **kwargs):  # the arguments passed on as they came
+                buffer = args[1] if _name == "reduce_scatter_into" else args[0]
                 self.seen.add((_name, buffer.numel(), str(buffer.dtype)))
-                return _orig(a, b, *args, **kwargs)
+                return _orig(*args, **kwargs)
 
             setattr(collectives, name, record)
         return self
