@@ -115,6 +115,11 @@ class ShardPiece(torch.Tensor):
                 f"{_name(func)} on a sharded parameter or its gradient: it is this rank's 1-D piece of the "
                 f"whole, and the answer depends on positions in the whole tensor; compute it in a tensor hook "
                 f"(p.register_hook, which sees the full gradient) or inside shardwise.summon_full_params")
+        if func in _RANDOM_FILLS:
+            raise ShardwiseError(
+                f"{_name(func)} on a sharded parameter: a random fill draws this rank's 1-D piece on its own, so "
+                f"the values are not one process's (and pieces of equal size repeat across ranks seeded alike); "
+                f"initialise before shard(), or pass shard(param_init_fn=...) on a meta-device model")
         if func in _CONCATENATIONS:
             _refuse_mixed(args[0] if args else kwargs.get("tensors", ()))
         with local_only():
@@ -387,6 +392,12 @@ _REFUSED = {getattr(mod, n) for mod in (torch, torch.Tensor) for n in (
     "sort", "argsort", "msort", "topk", "kthvalue", "argmax", "argmin", "median", "nanmedian", "mode", "quantile",
     "nanquantile", "std", "var", "std_mean", "var_mean", "cumsum", "cumprod", "cummax", "cummin", "logsumexp",
     "histc", "prod", "nansum", "nanmean") if hasattr(mod, n)}
+
+# In-place random fills (``model.apply(init)`` after ``shard()``; nn.init's trunc_normal_ and xavier_*_ reach
+# Tensor.uniform_/normal_): a piece drawn on its own is not the single-process draw of its positions.
+_RANDOM_FILLS = {getattr(torch.Tensor, n) for n in (
+    "normal_", "uniform_", "bernoulli_", "random_", "exponential_", "geometric_", "log_normal_", "cauchy_")}
+_RANDOM_FILLS |= {getattr(torch.nn.init, n) for n in ("normal_", "uniform_", "kaiming_uniform_")}
 
 _CONCATENATIONS = {torch.cat, torch.concat}
 _FOLLOWS_PIECE = {torch.Tensor.data.__get__} | _CONCATENATIONS

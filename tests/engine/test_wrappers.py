@@ -248,6 +248,13 @@ def deterministic_init(model):  # model.apply(init) with inits that do not draw 
     model.apply(init)
 
 
+def random_init(model):  # model.apply(init) drawing random numbers: the HF _init_weights habit
+    def init(m):
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+    model.apply(init)
+
+
 def eval_then_train(model):
     model.eval()
     with torch.no_grad():
@@ -328,6 +335,7 @@ ROWS = [
     Row("register_parametrization after shard", after_shard(parametrize_head), MOVED),
     Row("composable checkpoint(block) after shard", after_shard(composable_checkpoint)),
     Row("model.apply(zeros_/ones_/constant_ init) after shard", after_shard(deterministic_init)),
+    Row("model.apply(trunc_normal_ init) after shard", after_shard(random_init), "a random fill draws this rank's"),
     Row("eval() forward, then train()", after_shard(eval_then_train)),
     Row("copy.deepcopy (EMA)", ema_by_deepcopy, DEEPCOPY),
     Row("swa_utils.AveragedModel", averaged_model, DEEPCOPY),
