@@ -5,7 +5,7 @@ whole: it would keep one rank's piece and load it on every rank (silently, where
 sizes). DCP cannot be told the truth instead: it places chunks by ``__create_write_items__`` (the
 ``_Checkpointable`` protocol DTensor implements, ``torch/distributed/_checkpointable.py``), but at load it
 requires ``value.size()`` to be the whole tensor's, which a piece's is not. So ``state_dict()`` returns each
-piece that is not the whole parameter as a ``ShardPiece``: the same memory and a plain tensor to every
+piece that is not the whole parameter as a ``StateDictPiece``: the same memory and a plain tensor to every
 operation (torch functions return plain tensors, ``torch.save`` writes a plain tensor), whose
 ``__create_write_items__`` raises. DCP collects that error from every rank and raises its
 ``CheckpointException`` (naming ours) on all of them. Whole parameters (``no_shard``) stay plain tensors,
@@ -22,7 +22,7 @@ from shardwise.engine.logical_shapes import param_info
 from shardwise.errors import ShardwiseError
 
 
-class ShardPiece(torch.Tensor):
+class StateDictPiece(torch.Tensor):
     """A piece of a parameter in a ``state_dict()``: a plain tensor, except to DCP."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # every op sees (and returns) plain tensors
@@ -39,7 +39,7 @@ class ShardPiece(torch.Tensor):
 
 
 def mark_pieces(model: nn.Module, state_dict: dict, prefix: str) -> None:
-    """Turn the entries of ``state_dict`` (a ``state_dict()`` result) that are pieces into ShardPieces."""
+    """Turn the entries of ``state_dict`` (a ``state_dict()`` result) that are pieces into StateDictPieces."""
     for module_name, module in model.named_modules(remove_duplicate=False):
         for name, p in module._parameters.items():
             key = f"{prefix}{module_name}.{name}" if module_name else f"{prefix}{name}"
@@ -55,4 +55,4 @@ def mark_pieces(model: nn.Module, state_dict: dict, prefix: str) -> None:
             except ShardwiseError:  # not a shard parameter (state_dict() called inside a unit's forward)
                 continue
             if info.local_numel != info.numel:
-                state_dict[key] = value.as_subclass(ShardPiece)
+                state_dict[key] = value.as_subclass(StateDictPiece)
