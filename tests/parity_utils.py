@@ -442,3 +442,25 @@ def spawn_once(fn: Callable) -> Callable:
         return value
 
     return wrapper
+
+
+def assembled_checkpoint(ckpt) -> dict:
+    """Every parameter and optimizer-state tensor a shardwise checkpoint directory stores, whole (its
+    pieces concatenated in order), keyed ``"param:NAME"`` / ``"STATE:NAME"``: what a reshard must keep."""
+    import json
+    import pathlib
+
+    from safetensors import safe_open
+
+    ckpt = pathlib.Path(ckpt)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    out = {}
+    for name, p in manifest["params"].items():
+        for label, key_of in [("param", lambda piece: piece["key"])] + [
+                (s, lambda piece, s=s: piece["optim"][s]) for s in manifest["optimizer"]["state"][name]["tensors"]]:
+            parts = []
+            for piece in p["pieces"]:
+                with safe_open(str(ckpt / piece["file"]), "pt") as f:
+                    parts.append(f.get_tensor(key_of(piece)))
+            out[f"{label}:{name}"] = torch.cat(parts)
+    return out

@@ -22,6 +22,7 @@ pytest.importorskip("peft")
 
 import hf_dirs
 from harness import run_distributed
+from parity_utils import assembled_checkpoint
 
 from shardwise.trainer.config import TrainConfig
 
@@ -93,23 +94,6 @@ def _reshard(rank, world, root, model_dir):
     extra = load_checkpoint(ckpt, model, optimizer, frozen_base=spec.frozen_base())
     save_checkpoint(os.path.join(root, f"resaved-ws{world}"), model, optimizer, step=2, extra=extra,
                     frozen_base=spec.frozen_base())
-
-
-def _assembled(ckpt) -> dict:
-    """Every stored parameter and optimizer state tensor, whole: its pieces concatenated in order."""
-    from safetensors import safe_open
-
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    out = {}
-    for name, p in manifest["params"].items():
-        for label, key_of in [("param", lambda piece: piece["key"])] + [
-                (s, lambda piece, s=s: piece["optim"][s]) for s in manifest["optimizer"]["state"][name]["tensors"]]:
-            parts = []
-            for piece in p["pieces"]:
-                with safe_open(str(ckpt / piece["file"]), "pt") as f:
-                    parts.append(f.get_tensor(key_of(piece)))
-            out[f"{label}:{name}"] = torch.cat(parts)
-    return out
 
 
 def _checkpoint_tensors(ckpt):
@@ -199,7 +183,7 @@ def test_resume_over_other_weights_or_without_them_is_refused_naming_the_option(
 def test_adapter_only_checkpoint_saved_at_ws2_reshards_to_ws3(runs):
     root, model_dir, _, _ = runs
     run_distributed(_reshard, 3, str(root), model_dir)
-    saved, resaved = _assembled(root / "unbroken-fp32" / "step-00000002"), _assembled(root / "resaved-ws3")
+    saved, resaved = assembled_checkpoint(root / "unbroken-fp32" / "step-00000002"), assembled_checkpoint(root / "resaved-ws3")
     assert json.loads((root / "resaved-ws3" / "manifest.json").read_text())["world_size"] == 3
     assert sorted(saved) == sorted(resaved) and any(k.startswith("exp_avg:") for k in saved)
     assert all(torch.equal(saved[k], resaved[k]) for k in saved)

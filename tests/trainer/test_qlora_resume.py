@@ -31,6 +31,7 @@ pytest.importorskip("peft")
 
 import hf_dirs
 from harness import run_distributed
+from parity_utils import assembled_checkpoint
 
 from shardwise.trainer.config import TrainConfig
 
@@ -101,23 +102,6 @@ def _reshard_in_this_process(root, model_dir):
         return _reshard(0, 1, root, model_dir, False)
 
 
-def _assembled(ckpt: pathlib.Path) -> dict:
-    """Every stored parameter and optimizer state tensor, whole: its pieces concatenated in order."""
-    from safetensors import safe_open
-
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    out = {}
-    for name, p in manifest["params"].items():
-        for label, key_of in [("param", lambda piece: piece["key"])] + [
-                (s, lambda piece, s=s: piece["optim"][s]) for s in manifest["optimizer"]["state"][name]["tensors"]]:
-            parts = []
-            for piece in p["pieces"]:
-                with safe_open(str(ckpt / piece["file"]), "pt") as f:
-                    parts.append(f.get_tensor(key_of(piece)))
-            out[f"{label}:{name}"] = torch.cat(parts)
-    return out
-
-
 def _quantised_reference(model_dir: str, adapter_dir: str | None = None):
     """The run's model in one process, no shardwise engine: DIR's weights in fp32 (the run's base dtype),
     its Linears quantised here, LoRA around them, the exported adapters loaded."""
@@ -162,7 +146,7 @@ def test_the_manifest_records_the_base_and_its_quantisation(runs):
 def _assert_resharded_over_the_same_base_bytes(root, model_dir, world, state):
     from shardwise.quant.linear import QuantLinear
 
-    saved, resaved = _assembled(root / "qlora" / STEP2), _assembled(root / f"resaved-ws{world}")
+    saved, resaved = assembled_checkpoint(root / "qlora" / STEP2), assembled_checkpoint(root / f"resaved-ws{world}")
     assert json.loads((root / f"resaved-ws{world}" / "manifest.json").read_text())["world_size"] == world
     assert sorted(saved) == sorted(resaved) and any(k.startswith("exp_avg:") for k in saved)
     assert all(torch.equal(saved[k], resaved[k]) for k in saved)
