@@ -98,3 +98,14 @@ def _join_quietly(ctx) -> bool:
     for p in ctx.processes:
         p.join(timeout=0.2)
     return all(p.exitcode is not None for p in ctx.processes)
+
+
+def error_of(fn) -> str:
+    """``"Type: message"`` of what ``fn()`` raises, or ``"no error"``: for tests that compare every rank's
+    error text (a rank's exception cannot cross the process boundary, its text can)."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+

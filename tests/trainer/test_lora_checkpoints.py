@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("peft")
 
 import hf_dirs
-from harness import run_distributed
+from harness import error_of, run_distributed
 from parity_utils import assembled_checkpoint
 
 from shardwise.trainer.config import TrainConfig
@@ -41,14 +41,6 @@ def _resume_dir(src_run: str, dst_run: str) -> None:
     shutil.rmtree(dst_run, ignore_errors=True)
     os.makedirs(dst_run)
     shutil.copytree(os.path.join(src_run, "step-00000002"), os.path.join(dst_run, "step-00000002"))
-
-
-def _error_of(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test reads the message
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def _runs(rank, world, root, model_dir, other_dir, base_dtypes, refusals):
@@ -75,7 +67,7 @@ def _runs(rank, world, root, model_dir, other_dir, base_dtypes, refusals):
         if rank == 0:
             _resume_dir(str(root / "unbroken-fp32"), str(root / "refused"))
         dist.barrier()
-        errors[case] = _error_of(lambda changes=changes: train(dataclasses.replace(cfg, out=str(root / "refused"),
+        errors[case] = error_of(lambda changes=changes: train(dataclasses.replace(cfg, out=str(root / "refused"),
                                                                                    **changes)))
     return starts, errors
 

@@ -30,7 +30,7 @@ import torch
 pytest.importorskip("peft")
 
 import hf_dirs
-from harness import run_distributed
+from harness import error_of, run_distributed
 from parity_utils import assembled_checkpoint
 
 from shardwise.trainer.config import TrainConfig
@@ -46,14 +46,6 @@ def _config(root, model_dir, **kw) -> TrainConfig:
                        lora_target_modules=TARGETS, **kw)
 
 
-def _error_of(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test reads the message
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def _train_ws2(rank, world, root, model_dir):
     """The QLoRA run and a plain LoRA run (2 steps, checkpoint at 2); then a worker started anyway with
     --bnb-4bit-quant-type fp4 over the QLoRA checkpoint (the launcher's preflight skipped): every rank refuses."""
@@ -62,7 +54,7 @@ def _train_ws2(rank, world, root, model_dir):
     root = pathlib.Path(root)
     train(_config(root, model_dir, out=str(root / "qlora")))
     train(_config(root, model_dir, out=str(root / "plain"), load_in_4bit=False))
-    return _error_of(lambda: train(_config(root, model_dir, out=str(root / "qlora"), resume=str(root / "qlora" / STEP2),
+    return error_of(lambda: train(_config(root, model_dir, out=str(root / "qlora"), resume=str(root / "qlora" / STEP2),
                                            steps=3, bnb_4bit_quant_type="fp4")))
 
 
@@ -175,7 +167,7 @@ def test_a_ws2_checkpoint_reshards_to_ws3_and_the_run_resumes_there(runs):
 def _preflight_error(cfg: TrainConfig) -> str:
     from shardwise.trainer.preflight import check_before_launch
 
-    return _error_of(lambda: check_before_launch(cfg, 2, 2, launching=False))
+    return error_of(lambda: check_before_launch(cfg, 2, 2, launching=False))
 
 
 def test_a_resume_over_a_changed_base_is_refused_before_launch_naming_the_option(runs):
