@@ -22,6 +22,7 @@ from shardwise.engine.offload_transfers import OffloadTransfers
 from shardwise.engine.param_hooks import adopt_tensor_hooks
 from shardwise.engine.plan import UnitsSpec, build_plan, entry_modules
 from shardwise.engine.runtime import STATE_ATTR, ModelRuntime, Unit, runtime_of
+from shardwise.engine.shard_param import warn_if_backward_inputs_unseen
 from shardwise.engine.strategy import Strategy, resolve_groups
 
 def shard(
@@ -87,6 +88,7 @@ def shard(
                                      all_reduce_grads=strategy.all_reduces_grads)
                    for gp in plan.groups()}
     logical_shapes.register(flat_groups.values())  # shardwise.param_info(p): each shard parameter's logical shape
+    warn_if_backward_inputs_unseen()  # a torch that cannot show us backward(inputs=...) says so once
     _fill(model, plan, list(flat_groups.values()), compute_device, sync_module_states, is_meta, param_init_fn)
 
     runtime = ModelRuntime(strategy, pgs, mp, prefetch, plan=plan, state_dict_keys=state_dict_keys,

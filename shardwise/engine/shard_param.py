@@ -30,6 +30,9 @@ The engine reads its own parameters inside ``local_only()``: no Python dispatch 
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 import torch.nn as nn
 
@@ -171,3 +174,44 @@ def _autograd_backward(tensors, grad_tensors=None, retain_graph=None, create_gra
 
 
 _AUTOGRAD_CALLS = {torch.autograd.grad: _autograd_grad, torch.autograd.backward: _autograd_backward}
+
+
+@functools.lru_cache(maxsize=None)
+def backward_consults_inputs() -> bool:
+    """Whether this torch hands ``torch.autograd.backward``'s ``inputs`` to ``__torch_function__``
+    (pytorch/pytorch#171473: torch 2.13 does; a release without it runs ``loss.backward(inputs=params)``
+    past us, and the sharded parameters get no gradient). Probed once, on a throwaway subclass."""
+    seen = []
+
+    class _Probe(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.autograd.backward:
+                seen.append(func)
+                return None
+            with local_only():
+                return func(*args, **(kwargs or {}))
+
+    x = torch.zeros(1, requires_grad=True)
+    probe = torch.zeros(1).as_subclass(_Probe).requires_grad_()
+    try:
+        torch.autograd.backward((x * 2).sum(), inputs=[probe])
+    except RuntimeError:  # a torch that ran it and found the probe outside the graph
+        pass
+    return bool(seen)
+
+
+def warn_if_backward_inputs_unseen() -> None:
+    """At ``shard()``: say once per process, where this torch cannot let us see ``backward(inputs=...)``,
+    that naming sharded parameters there would leave them without gradients (otherwise exact or refused)."""
+    global _warned
+    if _warned or backward_consults_inputs():
+        return
+    _warned = True
+    warnings.warn(
+        f"shardwise: torch {torch.__version__} does not pass backward(inputs=...)'s inputs to __torch_function__ "
+        f"(pytorch/pytorch#171473), so loss.backward(inputs=<sharded parameters>) would leave them without "
+        f"gradients: call loss.backward()", RuntimeWarning, stacklevel=3)
+
+
+_warned = False
