@@ -59,14 +59,12 @@ def grad_norm_terms(grads: list[torch.Tensor], norm_type: float) -> list[torch.T
 def global_grad_norm(rt: ModelRuntime, terms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """The norm over every shard on every rank, from this rank's ``grad_norm_terms`` in model order."""
     device = rt.device
-    if rt.checker is not None and rt.pgs.shard is not None:
-        rt.checker.check_now("clip_grad_norm", 1)
     if math.isinf(norm_type):
         local = torch.stack(terms).max() if terms else torch.zeros((), device=device)
         local = local.to(device)
         if rt.pgs.shard is not None:
-            collectives.run_and_wait(dist.all_reduce, local, op=dist.ReduceOp.MAX, group=rt.pgs.shard,
-                                     what="clip_grad_norm_'s max-reduce")
+            collectives.run_agreed(rt.checker, "clip_grad_norm", dist.all_reduce, local, op=dist.ReduceOp.MAX,
+                                   group=rt.pgs.shard, what="clip_grad_norm_'s max-reduce")
         return local
     if terms:
         local = torch.stack(terms).pow(norm_type).sum().to(device)
@@ -74,7 +72,8 @@ def global_grad_norm(rt: ModelRuntime, terms: list[torch.Tensor], norm_type: flo
         local = torch.zeros((), dtype=torch.float32, device=device)
     # Shards are disjoint within a shard group and identical across replicas: sum over the shard group only.
     if rt.pgs.shard is not None:
-        collectives.all_reduce_sum(local, rt.pgs.shard)
+        collectives.run_agreed(rt.checker, "clip_grad_norm", collectives.all_reduce_sum, local, group=rt.pgs.shard,
+                               what="clip_grad_norm_'s sum")
     return local.pow(1.0 / norm_type)
 
 
