@@ -139,6 +139,11 @@ def merged_source(ckpt: Path, manifest: dict, files: dict[str, SafetensorsFile],
         yield layout, produce
 
 
+def _base_dir(record: dict, base: os.PathLike | None) -> Path:
+    """The base directory --merge reads: ``--base`` if given, else the one the run recorded."""
+    return Path(base) if base is not None else Path(record["source"])
+
+
 def merge_base_description(ckpt: Path, manifest: dict, base: os.PathLike | None) -> str:
     """Which weights ``--merge`` adds the adapters to, for the command's output: the base the checkpoint
     stores, or the high-precision weights of the base directory (a 4-bit run's base included: its
@@ -146,7 +151,7 @@ def merge_base_description(ckpt: Path, manifest: dict, base: os.PathLike | None)
     record = manifest.get("frozen_base")
     if record is None:
         return f"the base weights stored in {ckpt}"
-    directory = Path(base) if base is not None else Path(record["source"])
+    directory = _base_dir(record, base)
     held = f", in {record['dtype']} as the run held them" if record.get("dtype") else ""
     quantised = " (the run trained over their 4-bit quantisation)" if record.get("quantization") else ""
     return f"the high-precision weights of {directory}{held}{quantised}"
@@ -156,7 +161,7 @@ def _checked_base_dir(ckpt: Path, record: dict, base: os.PathLike | None) -> Pat
     """The base directory of an adapter-only checkpoint, its weights' identity checked against the record."""
     from shardwise.hf.weight_files import identity_for
 
-    directory = Path(base) if base is not None else Path(record["source"])
+    directory = _base_dir(record, base)
     option = "--base" if base is not None else f"{ckpt}'s base (pass --base DIR if it moved)"
     if not directory.is_dir():
         raise ShardwiseError(f"{option}: {directory} is not a directory; --merge of an adapter-only checkpoint reads "
