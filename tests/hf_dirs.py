@@ -104,3 +104,12 @@ def make_model_dir(directory: str, family: str = "llama", *, shards: bool = Fals
         model = model.to(dtype)
     model.save_pretrained(directory, max_shard_size="40KB" if shards else "10GB")
     return directory
+
+
+def make_base_and_other(root) -> tuple[str, str]:
+    """What the LoRA resume tests train over: ``root/llama`` (bf16, seed 0), ``root/llama-other`` (another
+    base, seed 1) and ``root/text.txt`` (the corpus). Returns the two model directories."""
+    model_dir = make_model_dir(str(root / "llama"), "llama", dtype=torch.bfloat16)
+    other_dir = make_model_dir(str(root / "llama-other"), "llama", seed=1, dtype=torch.bfloat16)
+    (root / "text.txt").write_text(" ".join(CORPUS) * 4)
+    return model_dir, other_dir

@@ -106,9 +106,7 @@ def _metrics(run):
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-ckpt")
-    model_dir = hf_dirs.make_model_dir(str(root / "llama"), "llama", dtype=torch.bfloat16)
-    other_dir = hf_dirs.make_model_dir(str(root / "llama-other"), "llama", seed=1, dtype=torch.bfloat16)
-    (root / "text.txt").write_text(" ".join(hf_dirs.CORPUS) * 4)
+    model_dir, other_dir = hf_dirs.make_base_and_other(root)
     return root, model_dir, other_dir
 
 

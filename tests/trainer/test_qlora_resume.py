@@ -116,9 +116,7 @@ def _quantised_reference(model_dir: str, adapter_dir: str | None = None):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("qlora-resume")
-    model_dir = hf_dirs.make_model_dir(str(root / "llama"), "llama", dtype=torch.bfloat16)
-    other_dir = hf_dirs.make_model_dir(str(root / "llama-other"), "llama", seed=1, dtype=torch.bfloat16)
-    (root / "text.txt").write_text(" ".join(hf_dirs.CORPUS) * 4)
+    model_dir, other_dir = hf_dirs.make_base_and_other(root)
     worker_errors = run_distributed(_train_ws2, 2, str(root), model_dir, timeout_s=300)
     return root, model_dir, other_dir, worker_errors
 
