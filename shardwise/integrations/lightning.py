@@ -1,0 +1,604 @@
+"""Lightning's ``Trainer`` and ``Fabric`` on a sharded model: ``strategy="shardwise"``.
+
+    import shardwise.integrations.lightning      # registers "shardwise" with the Trainer's and Fabric's registries
+    trainer = L.Trainer(strategy="shardwise")   # or strategy=ShardwiseStrategy(units={Block}, ...)
+    fabric = L.Fabric(strategy="shardwise")     # or strategy=ShardwiseFabricStrategy(units={Block}, ...)
+
+Both take ``shardwise.shard``'s options as keywords (``sharding_strategy=`` is its ``strategy``). They start no
+processes: launch with ``torchrun --nproc-per-node N train.py``, under SLURM, or from code that already called
+``torch.distributed.init_process_group`` (then ``ProcessGroupEnvironment`` reads ranks from that group).
+
+Where Lightning's DDP strategy wraps the module, these shard it in place and keep it as it is (shardwise refuses
+a DDP wrapper around its pieces, and the strategies never build one):
+- ``shardwise.shard`` with the strategy's options, on the compute device. An eagerly built model takes rank
+  0's weights (``sync_module_states``), as DDP broadcasts them; a model built on the meta device (the Trainer's
+  ``configure_model``, ``Trainer.init_module()``, ``Fabric.init_module(empty_init=True)``) is materialised one
+  module at a time by ``param_init_fn`` (default ``reset_parameters``), consuming the RNG as an eager build
+  would: seed every rank alike (``seed_everything``).
+- Lightning calls ``training_step`` (validation, test, predict) on the module itself, not through forward, so
+  the root unit gathers around those methods too (``shardwise.register_forward_method``), as around forward.
+- Gradient accumulation runs under ``shardwise.no_sync`` (the Trainer's ``accumulate_grad_batches``, Fabric's
+  ``no_backward_sync``); Lightning's own norm and value clipping call torch's ``clip_grad_norm_`` /
+  ``clip_grad_value_``, exact on shard parameters.
+- Precision plugins are Lightning's own, unchanged (``bf16-true`` converts the model before it is sharded).
+- validate / test / predict outside ``fit`` shard the model they are given (rank 0's weights), instead of
+  broadcasting rank 0's weights into it as Lightning's DDP does.
+- Checkpoints: a file with the whole model that one process loads, plus a sidecar directory of every rank's
+  pieces and optimizer state that resumes at any world size (``lightning_checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+try:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+    from lightning.fabric.plugins.environments import ClusterEnvironment
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.fabric.strategies import ParallelStrategy as FabricParallelStrategy
+    from lightning.fabric.utilities.seed import reset_seed
+    from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+except ImportError as e:  # pragma: no cover - the message is the point
+    raise ImportError("shardwise.integrations.lightning needs Lightning: pip install 'shardwise[lightning]'") from e
+
+import shardwise
+from shardwise.errors import ShardwiseError
+from shardwise.integrations import lightning_checkpoint as ckpt
+
+__all__ = ["ShardwiseStrategy", "ShardwiseFabricStrategy", "ProcessGroupEnvironment"]
+
+NAME = "shardwise"
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+# shard()'s keyword arguments the strategies take, with their defaults; ``sharding_strategy`` is shard()'s
+# ``strategy`` (``strategy=`` is the Trainer's own argument).
+SHARD_OPTIONS = dict(units="auto", sharding_strategy="full_shard", mesh=None, mixed_precision=None, offload=None,
+                     activation_checkpointing=False, param_init_fn=None, prefetch=True, broadcast_buffers=True,
+                     sync_module_states=None)
+
+
+def _private_lightning_names() -> tuple[str, str]:
+    """The private Lightning names this module touches, and the only place it spells them. Checked on
+    lightning 2.6.6 (``tests/integrations/test_lightning.py`` fails when either changes):
+
+    - ``"_backward_sync_control"``: the strategy attribute ``Fabric.no_backward_sync`` asks for the context that
+      skips gradient synchronisation (any object with ``no_backward_sync(module, enabled)``); where it is
+      missing, Fabric warns and synchronises every micro-batch.
+    - ``"_layer_sync"``: where the Trainer's connector puts ``sync_batchnorm=True``'s ``LayerSync`` on a strategy
+      that has the attribute (``ParallelStrategy.__init__`` creates it); the strategy applies it before wrapping.
+    """
+    return "_backward_sync_control", "_layer_sync"
+
+
+BACKWARD_SYNC_ATTR, LAYER_SYNC_ATTR = _private_lightning_names()
+
+
+class ProcessGroupEnvironment(ClusterEnvironment):
+    """The processes exist already: ranks and world size come from the default process group once it is
+    initialised, before that from torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``. Lightning starts no
+    process under it. The strategies use it by default when ``torch.distributed`` is already initialised."""
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+    @property
+    def main_port(self) -> int:
+        return int(os.environ.get("MASTER_PORT", "29500"))
+
+    @staticmethod
+    def detect() -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+    def set_world_size(self, size: int) -> None:
+        pass  # the process group decides
+
+    def global_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+    def set_global_rank(self, rank: int) -> None:
+        pass  # the process group decides
+
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    def node_rank(self) -> int:
+        return int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
+
+
+def _default_environment(given: Optional[ClusterEnvironment]) -> Optional[ClusterEnvironment]:
+    """The environment a strategy starts with: the one given, else ProcessGroupEnvironment when the process
+    group exists already, else None (Lightning then picks torchrun's, SLURM's, ...)."""
+    if given is not None:
+        return given
+    return ProcessGroupEnvironment() if ProcessGroupEnvironment.detect() else None
+
+
+def _is_sharded(module: nn.Module) -> bool:
+    first = next(module.parameters(), None)
+    if first is None:
+        return False
+    try:
+        shardwise.param_info(first)
+    except ShardwiseError:
+        return False
+    return True
+
+
+def _gather_around_steps(module: nn.Module) -> None:
+    """Lightning calls the step methods on the module itself: make each gather the root unit, as forward does
+    (once: a module that comes back for another fit keeps its wrapped methods)."""
+    for name in STEP_METHODS:
+        if callable(getattr(type(module), name, None)) and name not in vars(module):
+            shardwise.register_forward_method(module, name)
+
+
+class _NoSync:
+    """What Fabric's ``no_backward_sync`` asks the strategy for."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        return shardwise.no_sync(module) if enabled else contextlib.nullcontext()
+
+
+class _ShardwiseParallel:
+    """What the Trainer's and Fabric's strategies share: the process group, the collectives Lightning asks a
+    strategy for, sharding a module. Mixed in before each framework's ``ParallelStrategy``."""
+
+    def _init_shardwise(self, shard_options: dict, process_group_backend: Optional[str],
+                        timeout: Optional[timedelta]) -> None:
+        unknown = sorted(set(shard_options) - set(SHARD_OPTIONS))
+        if unknown:
+            raise ShardwiseError(f"{type(self).__name__}: unknown option(s) {', '.join(unknown)}; it takes "
+                                 f"shardwise.shard's options {', '.join(SHARD_OPTIONS)} (sharding_strategy is "
+                                 f"shard()'s strategy)")
+        self.shard_options = {**SHARD_OPTIONS, **shard_options}
+        self.num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._mesh = None
+        # Parameters shard() retired -> their shard parameters, for optimizers built before setup (Fabric). The
+        # old object is kept so that its id is not reused.
+        self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._sharded: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(NAME, cls, description="shardwise: fully sharded data parallel (ZeRO-3)")
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # Lightning's: the accelerator's device
+        self._start_process_group()
+
+    # ---- where this process is ---------------------------------------------------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        devices = self.parallel_devices or [torch.device("cpu")]
+        if devices[0].type == "cpu":
+            return devices[0]
+        if self.local_rank >= len(devices):
+            raise ShardwiseError(f"local rank {self.local_rank} has no device among {devices}: pass devices= the "
+                                 f"number of processes per node")
+        return devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def set_world_ranks(self) -> None:
+        """As Lightning's DDP: an environment that takes ranks from Lightning gets them (ProcessGroupEnvironment
+        and torchrun's ignore it), and rank_zero_only learns this rank."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def _start_process_group(self) -> None:
+        reset_seed()  # as Lightning's DDP does here: every rank from seed_everything's seed
+        self.set_world_ranks()
+        if not dist.is_initialized():
+            env = self.cluster_environment
+            if not env.creates_processes_externally and self.num_processes * self.num_nodes > 1:
+                raise ShardwiseError(
+                    f"the shardwise strategies start no processes, and {self.num_processes * self.num_nodes} were "
+                    f"asked for: launch the script with `torchrun --nproc-per-node {self.num_processes} train.py` "
+                    f"(or under SLURM), or call torch.distributed.init_process_group before fit")
+            os.environ["MASTER_ADDR"] = env.main_address
+            os.environ["MASTER_PORT"] = str(env.main_port)
+            backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+            extra = {"timeout": self._timeout} if self._timeout is not None else {}
+            dist.init_process_group(backend, rank=env.global_rank(), world_size=env.world_size(), **extra)
+        mesh = self.shard_options["mesh"]
+        if isinstance(mesh, tuple):  # (replicate, shard) sizes: a mesh needs the process group, so built here
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(self.root_device.type, mesh, mesh_dim_names=("replicate", "shard"))
+        else:
+            self._mesh = mesh
+
+    # ---- the collectives Lightning asks for -----------------------------------------------------------------------
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def _all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's reduction (``self.log(..., sync_dist=True)``): in place; "mean" is a sum divided by the
+        world size, as Lightning's DDP computes it on gloo."""
+        if not isinstance(tensor, torch.Tensor) or not dist.is_initialized():
+            return tensor
+        group = dist.group.WORLD if group is None else group
+        op, mean = reduce_op, False
+        if op is None:
+            op = dist.ReduceOp.SUM
+        elif isinstance(op, str):
+            mean = op.lower() in ("mean", "avg")
+            op = dist.ReduceOp.SUM if mean else getattr(dist.ReduceOp, op.upper())
+        dist.all_reduce(tensor, op=op, group=group)
+        if not mean:
+            return tensor
+        n = dist.get_world_size(group)
+        return tensor.div_(n) if torch.is_floating_point(tensor) else tensor.copy_(tensor / n)
+
+    def _agreed(self, fn: Callable[[], Any], what: str) -> Any:
+        """``fn()`` on every rank; if it raised anywhere, a ShardwiseError naming the rank on every rank (a
+        checkpoint file one rank cannot read or write must not leave the others waiting)."""
+        try:
+            result, error = fn(), None
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            result, error = None, f"{type(e).__name__}: {e}"
+        if dist.is_initialized():
+            errors: list = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+        else:
+            errors = [error]
+        failed = [(rank, text) for rank, text in enumerate(errors) if text is not None]
+        if failed:
+            rank, text = failed[0]
+            raise ShardwiseError(f"{what} failed on rank {rank}: {text}")
+        return result
+
+    # ---- sharding --------------------------------------------------------------------------------------------------
+
+    def _shard(self, module: nn.Module) -> nn.Module:
+        """Shard ``module`` in place with this strategy's options (once: a sharded module comes back as it is)."""
+        if not _is_sharded(module):
+            o = self.shard_options
+            sync = o["sync_module_states"]
+            if sync is None:  # rank 0's eager weights, as DDP broadcasts them; a meta build is initialised everywhere
+                sync = not self.broadcast(any(p.is_meta for p in module.parameters()))
+            before = dict(module.named_parameters())
+            shardwise.shard(module, o["units"], o["sharding_strategy"], self._mesh, o["mixed_precision"], o["offload"],
+                            sync_module_states=sync, param_init_fn=o["param_init_fn"], device=self.root_device,
+                            prefetch=o["prefetch"], activation_checkpointing=o["activation_checkpointing"],
+                            broadcast_buffers=o["broadcast_buffers"])
+            after = dict(module.named_parameters())
+            self._replaced.update({id(p): (p, after[n]) for n, p in before.items() if n in after})
+        _gather_around_steps(module)
+        self._sharded.add(module)
+        return module
+
+    def _rebind(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer built before its model was sharded holds the parameters ``shard()`` retired: point it at
+        their shard parameters (only before its first step: its state would belong to the old ones)."""
+        swapped = False
+        for group in optimizer.param_groups:
+            new = []
+            for p in group["params"]:
+                old, shard_param = self._replaced.get(id(p), (None, None))
+                new.append(shard_param if old is p else p)
+                swapped |= old is p
+            group["params"] = new
+        if swapped and optimizer.state:
+            raise ShardwiseError(f"{type(optimizer).__name__} was built before its model was sharded and has "
+                                 f"already stepped (or loaded a state): set up the model first, then build, load "
+                                 f"and set up the optimizer")
+
+    def _owner(self, optimizer: torch.optim.Optimizer, candidates: list) -> nn.Module:
+        """The sharded model among ``candidates`` (then those this strategy sharded) whose parameters
+        ``optimizer`` steps."""
+        first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+        for module in [m for m in candidates if isinstance(m, nn.Module)] + list(self._sharded):
+            if _is_sharded(module) and any(p is first for p in module.parameters()):
+                return module
+        raise ShardwiseError(f"{type(optimizer).__name__} steps no parameter of a model sharded by "
+                             f"{type(self).__name__}: set the model up with this strategy first, and build the "
+                             f"optimizer from its parameters")
+
+    def _read(self, path: Path, weights_only: Optional[bool]) -> dict:
+        """PATH's dict on every rank (memory-mapped through torch.load unless a custom CheckpointIO reads it)."""
+        if type(self.checkpoint_io) is TorchCheckpointIO:
+            return self._agreed(lambda: ckpt.read(path, weights_only), f"reading {path}")
+        return self._agreed(lambda: self.checkpoint_io.load_checkpoint(path, weights_only=weights_only),
+                            f"reading {path}")
+
+    def _write(self, checkpoint: dict, path: Path, markers: list, storage_options: Any) -> None:
+        """Rank 0 writes PATH through the CheckpointIO, then prunes its sidecar; every rank learns how it went."""
+
+        def write() -> None:
+            if self.is_global_zero:
+                self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+                ckpt.prune_sidecar(path, markers)
+
+        self._agreed(write, f"writing {path}")
+
+    def _where_to_save(self, filepath: Any) -> tuple[Path, str]:
+        """Rank 0's path (every rank writes its pieces beside the same file) and a token for this save."""
+        path, token = self.broadcast((os.fspath(filepath), ckpt.new_token()))
+        return ckpt.local_path(path), token
+
+
+class ShardwiseStrategy(_ShardwiseParallel, ParallelStrategy):
+    """Lightning ``Trainer`` strategy: the LightningModule sharded in place by ``shardwise.shard``.
+
+    ``ShardwiseStrategy(units={Block}, sharding_strategy="full_shard", mixed_precision=..., offload=...,
+    activation_checkpointing=True, param_init_fn=..., ...)`` takes ``shard()``'s options;
+    ``sync_module_states`` defaults to rank 0's weights for an eagerly built model. ``configure_model`` and
+    ``Trainer.init_module()`` build on the meta device (``empty_init=False``: real tensors, on the CPU).
+    """
+
+    strategy_name = NAME
+
+    def __init__(self, accelerator: Optional["pl.accelerators.Accelerator"] = None,
+                 parallel_devices: Optional[list[torch.device]] = None,
+                 cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
+                 precision_plugin: Optional["pl.plugins.Precision"] = None, process_group_backend: Optional[str] = None,
+                 timeout: Optional[timedelta] = None, **shard_options: Any) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=_default_environment(cluster_environment), checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self._init_shardwise(shard_options, process_group_backend, timeout)
+
+    @property
+    def is_distributed(self) -> bool:  # the Trainer reads it: distributed samplers, sync_dist logging
+        return True
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        layer_sync = getattr(self, LAYER_SYNC_ATTR, None)
+        if fitting and layer_sync is not None and not _is_sharded(self.model):
+            self.model = layer_sync.apply(self.model)
+        self.model = self._shard(self.precision_plugin.convert_module(self.model))
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def model_to_device(self) -> None:
+        pass  # shard() places the shards on the compute device
+
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Iterator[None]:
+        device = torch.device("meta") if empty_init is not False else contextlib.nullcontext()
+        with device, self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        with shardwise.no_sync(self.model):
+            yield
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
+        return self._all_reduce(tensor, group, reduce_op)
+
+    def teardown(self) -> None:
+        # Not Strategy.teardown: it moves the LightningModule to the CPU, which would move the shards out from
+        # under the engine's buffers.
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    # ---- checkpoints (lightning_checkpoint.py) ------------------------------------------------------------------
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # into the sharded model and its optimizers
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores them from the sidecar
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return ckpt.whole_model_state_dict(self.model)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        return ckpt.placeholder()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        path, token = self._where_to_save(filepath)
+        markers = []
+        if checkpoint.get("optimizer_states"):
+            markers = ckpt.write_sidecar(path, token, [(self.model, o) for o in self.optimizers],
+                                         checkpoint.get("global_step"))
+            checkpoint["optimizer_states"] = markers
+        self._write(checkpoint, path, markers, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = ckpt.local_path(self.broadcast(os.fspath(checkpoint_path)))
+        checkpoint = self._read(path, weights_only)
+        module = self.lightning_module
+        entries = checkpoint.get("optimizer_states")
+        if module.trainer.state.fn == TrainerFn.FITTING and self.optimizers:
+            names = ckpt.sidecar_names(path, entries, len(self.optimizers))
+            ckpt.restore_optimizers(path, names, [(self.model, o) for o in self.optimizers])
+        else:
+            ckpt.restore_model(path, self.model, ckpt.names_in(entries), checkpoint.get("state_dict"),
+                               module.strict_loading)
+        return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # load_checkpoint loaded it, into the shards
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # load_checkpoint loaded them from the sidecar
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
+            ckpt.remove(ckpt.local_path(filepath))
+
+
+class ShardwiseFabricStrategy(_ShardwiseParallel, FabricParallelStrategy):
+    """Lightning ``Fabric`` strategy: ``fabric.setup(model, optimizer)`` shards the model in place.
+
+    Takes ``shard()``'s options as ``ShardwiseStrategy`` does. An optimizer built before ``setup`` is pointed
+    at the shard parameters (before its first step). ``fabric.init_module(empty_init=True)`` builds on the meta
+    device. ``fabric.save(path, {"model": model, "optimizer": optimizer, ...})`` writes the whole model to
+    ``path`` and each optimizer, with its model's pieces, to the sidecar; ``fabric.load`` restores both.
+    """
+
+    def __init__(self, accelerator: Optional[Any] = None, parallel_devices: Optional[list[torch.device]] = None,
+                 cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
+                 precision: Optional[Any] = None, process_group_backend: Optional[str] = None,
+                 timeout: Optional[timedelta] = None, **shard_options: Any) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=_default_environment(cluster_environment), checkpoint_io=checkpoint_io,
+                         precision=precision)
+        self._init_shardwise(shard_options, process_group_backend, timeout)
+        setattr(self, BACKWARD_SYNC_ATTR, _NoSync())
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        return self._shard(module)
+
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, scheduler: Optional[Any] = None
+                                    ) -> tuple[nn.Module, list, Optional[Any]]:
+        module = self._shard(module)
+        return module, [self.setup_optimizer(o) for o in optimizers], scheduler
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        self._rebind(optimizer)
+        return optimizer
+
+    def module_to_device(self, module: nn.Module) -> None:
+        pass  # shard() places the shards on the compute device
+
+    def module_init_context(self, empty_init: Optional[bool] = None) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        if empty_init:
+            stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
+        return self._all_reduce(tensor, group, reduce_op)
+
+    # ---- checkpoints (lightning_checkpoint.py) ------------------------------------------------------------------
+
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        return ckpt.whole_model_state_dict(module) if _is_sharded(module) else module.state_dict()
+
+    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        if _is_sharded(module):
+            ckpt.load_whole_state_dict(module, state_dict, strict)
+        else:
+            module.load_state_dict(state_dict, strict=strict)
+
+    def get_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        return ckpt.placeholder()
+
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
+                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        path, token = self._where_to_save(path)
+        optimizer_keys = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
+        pairs = [(self._owner(state[k], list(state.values())), state[k]) for k in optimizer_keys]
+        markers = ckpt.write_sidecar(path, token, pairs, None)
+        marker_of = dict(zip(optimizer_keys, markers))
+        converted = {}
+        for key, obj in state.items():
+            if key in marker_of:
+                value = marker_of[key]
+            elif isinstance(obj, nn.Module):
+                value = self.get_module_state_dict(obj)
+            elif _is_stateful(obj):
+                value = obj.state_dict()
+            else:
+                value = obj
+            if filter and key in filter and isinstance(value, dict):
+                value = {k: v for k, v in value.items() if filter[key](k, v)}
+            converted[key] = value
+        self._write(converted, path, markers, storage_options)
+
+    def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = ckpt.local_path(self.broadcast(os.fspath(path)))
+        checkpoint = self._read(path, weights_only)
+        if not state:
+            return checkpoint
+        if isinstance(state, nn.Module):
+            self.load_module_state_dict(state, checkpoint, strict)
+            return {}
+        if isinstance(state, torch.optim.Optimizer):
+            raise ShardwiseError(f"fabric.load_raw({path}, optimizer): a sharded optimizer's state is per rank; "
+                                 f"save it with fabric.save(path, {{'optimizer': optimizer, ...}}) and load it the "
+                                 f"same way")
+        missing = [k for k in state if k not in checkpoint]
+        if strict and missing:
+            raise ShardwiseError(f"{path} has no {missing[0]!r}, which the state to load asks for (strict=False "
+                                 f"loads what is there)")
+        optimizer_keys = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer) and k in checkpoint]
+        names = ckpt.sidecar_names(path, [checkpoint[k] for k in optimizer_keys], len(optimizer_keys))
+        pairs = [(self._owner(state[k], list(state.values())), state[k]) for k in optimizer_keys]
+        ckpt.restore_optimizers(path, names, pairs)
+        restored = {id(model) for model, _ in pairs}
+        for key, obj in list(state.items()):
+            if key not in checkpoint:
+                continue
+            value = checkpoint.pop(key)
+            if isinstance(obj, torch.optim.Optimizer):
+                continue
+            if isinstance(obj, nn.Module):
+                if id(obj) not in restored:
+                    self.load_module_state_dict(obj, value, strict)
+            elif _is_stateful(obj):
+                obj.load_state_dict(value)
+            else:
+                state[key] = value
+        return checkpoint
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _register() -> None:
+    """``strategy="shardwise"`` for the Trainer and for Fabric, from the moment this module is imported."""
+    for registry, cls in ((StrategyRegistry, ShardwiseStrategy), (STRATEGY_REGISTRY, ShardwiseFabricStrategy)):
+        if NAME not in registry:
+            cls.register_strategies(registry)
+
+
+_register()
