@@ -68,20 +68,23 @@ SHARD_OPTIONS = dict(units="auto", sharding_strategy="full_shard", mesh=None, mi
                      sync_module_states=None)
 
 
-def _private_lightning_names() -> tuple[str, str]:
-    """The private Lightning names this module touches, and the only place it spells them. Checked on
-    lightning 2.6.6 (``tests/integrations/test_lightning.py`` fails when either changes):
+def _private_lightning_names() -> tuple[str, str, str]:
+    """The private Lightning names this module touches, and the only place it spells them: attribute names of a
+    strategy that Lightning reads or writes. Checked on lightning 2.6.6 (``tests/integrations/test_lightning.py``
+    fails when one of them changes):
 
-    - ``"_backward_sync_control"``: the strategy attribute ``Fabric.no_backward_sync`` asks for the context that
+    - ``"_backward_sync_control"``: where ``Fabric.no_backward_sync`` asks the strategy for the context that
       skips gradient synchronisation (any object with ``no_backward_sync(module, enabled)``); where it is
       missing, Fabric warns and synchronises every micro-batch.
     - ``"_layer_sync"``: where the Trainer's connector puts ``sync_batchnorm=True``'s ``LayerSync`` on a strategy
       that has the attribute (``ParallelStrategy.__init__`` creates it); the strategy applies it before wrapping.
+    - ``"_num_nodes"``: where Fabric's connector writes ``num_nodes=`` on a strategy that has ``num_nodes`` (the
+      Trainer's writes ``num_nodes`` itself).
     """
-    return "_backward_sync_control", "_layer_sync"
+    return "_backward_sync_control", "_layer_sync", "_num_nodes"
 
 
-BACKWARD_SYNC_ATTR, LAYER_SYNC_ATTR = _private_lightning_names()
+BACKWARD_SYNC_ATTR, LAYER_SYNC_ATTR, NUM_NODES_ATTR = _private_lightning_names()
 
 
 class ProcessGroupEnvironment(ClusterEnvironment):
@@ -170,7 +173,6 @@ class _ShardwiseParallel:
                                  f"shardwise.shard's options {', '.join(SHARD_OPTIONS)} (sharding_strategy is "
                                  f"shard()'s strategy)")
         self.shard_options = {**SHARD_OPTIONS, **shard_options}
-        self.num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._mesh = None
@@ -198,6 +200,14 @@ class _ShardwiseParallel:
             raise ShardwiseError(f"local rank {self.local_rank} has no device among {devices}: pass devices= the "
                                  f"number of processes per node")
         return devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return getattr(self, NUM_NODES_ATTR, 1)
+
+    @num_nodes.setter
+    def num_nodes(self, n: int) -> None:
+        setattr(self, NUM_NODES_ATTR, n)
 
     @property
     def num_processes(self) -> int:
@@ -231,12 +241,12 @@ class _ShardwiseParallel:
             extra = {"timeout": self._timeout} if self._timeout is not None else {}
             dist.init_process_group(backend, rank=env.global_rank(), world_size=env.world_size(), **extra)
         mesh = self.shard_options["mesh"]
-        if isinstance(mesh, tuple):  # (replicate, shard) sizes: a mesh needs the process group, so built here
+        if not isinstance(mesh, tuple):
+            self._mesh = mesh
+        elif self._mesh is None:  # (replicate, shard) sizes: a mesh needs the process group, so built here, once
             from torch.distributed.device_mesh import init_device_mesh
 
             self._mesh = init_device_mesh(self.root_device.type, mesh, mesh_dim_names=("replicate", "shard"))
-        else:
-            self._mesh = mesh
 
     # ---- the collectives Lightning asks for -----------------------------------------------------------------------
 

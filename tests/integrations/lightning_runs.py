@@ -22,6 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from harness import error_of
+from parity_utils import assert_engine_clean, is_sharded
 from shardwise.integrations.lightning import ProcessGroupEnvironment, ShardwiseFabricStrategy, ShardwiseStrategy
 
 DIM, DEPTH = 8, 3
@@ -80,6 +81,7 @@ class Net(L.LightningModule):
         if self.blocks is None:
             self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
             self.head = nn.Linear(DIM, 1)
+            self.record["built_on"] = str(self.head.weight.device)
 
     def features(self, x):
         for b in self.blocks:
@@ -96,6 +98,8 @@ class Net(L.LightningModule):
         return loss
 
     def on_after_backward(self):  # under shardwise.no_sync p.grad stays zeros until the synced backward
+        if is_sharded(self):
+            assert_engine_clean(self)
         self.record["deferred"].append(all(not p.grad.any() for p in self.parameters()))
 
     def on_before_optimizer_step(self, optimizer):
@@ -193,10 +197,10 @@ def fabric_loop(kind: str, world_size: int, root: Path, name: str, *, epochs: in
     L.seed_everything(0, verbose=False)
     with fabric.init_module(empty_init=meta):
         model = Tower()
+    record = {"loss": [], "grad_norm": [], "deferred": [], "built_on": str(model.head.weight.device)}
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     model, optimizer = fabric.setup(model, optimizer)
     data = fabric.setup_dataloaders(loader(N_TRAIN, 1, world_size))
-    record = {"loss": [], "grad_norm": [], "deferred": []}
     first_epoch = 0
     if resume_from:
         first_epoch = fabric.load(root / f"{resume_from}-epoch1.ckpt", {"model": model, "optimizer": optimizer})["epoch"]
@@ -206,6 +210,8 @@ def fabric_loop(kind: str, world_size: int, root: Path, name: str, *, epochs: in
             with fabric.no_backward_sync(model, enabled=not step):
                 loss = F.mse_loss(model(x), y)
                 fabric.backward(loss / ACCUMULATE)
+                if kind != "ddp":
+                    assert_engine_clean(model.module)
             record["loss"].append(loss.item())
             if not step:  # shardwise keeps the micro-batch's gradients unreduced: p.grad is zeros until the synced backward
                 record["deferred"].append(all(not p.grad.any() for p in model.parameters()))

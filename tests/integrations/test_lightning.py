@@ -70,10 +70,13 @@ def _state_dict(path: Path) -> dict:
     return runs.Net.load_from_checkpoint(path, map_location="cpu").state_dict()
 
 
-def _assert_like_ddp(ours: dict, ddp: dict, label: str) -> None:
+def _assert_like_ddp(ours: dict, ddp: dict, label: str, ws: int = 2) -> None:
+    """The first step's losses bit for bit (the same initial weights); at 2 ranks its gradient norm too (halving
+    is exact; at 3, dividing before or after the sum rounds differently); the rest within RTOL."""
     first_step = runs.ACCUMULATE
     assert ours["loss"][:first_step] == ddp["loss"][:first_step], f"{label}: the first step's losses differ"
-    assert ours["grad_norm"][0] == ddp["grad_norm"][0], f"{label}: the first gradient norm differs"
+    if ws == 2:
+        assert ours["grad_norm"][0] == ddp["grad_norm"][0], f"{label}: the first gradient norm differs"
     assert _close(ours["loss"], ddp["loss"]) <= RTOL, f"{label}: losses {ours['loss']} vs DDP {ddp['loss']}"
     assert _close(ours["grad_norm"], ddp["grad_norm"]) <= RTOL, f"{label}: grad norms"
     assert min(ddp["grad_norm"]) > runs.CLIP, "clipping must act on every step for this test to mean anything"
@@ -92,7 +95,8 @@ def test_trainer_fit_trains_as_ddp(ws):
     (the meta device under ours, eagerly under DDP): every rank's losses and gradient norms are DDP's."""
     for rank in range(ws):
         r = _trainer_case(ws, rank)
-        _assert_like_ddp(r["shardwise"]["record"], r["ddp"]["record"], f"rank {rank}")
+        _assert_like_ddp(r["shardwise"]["record"], r["ddp"]["record"], f"rank {rank}", ws)
+        assert (r["shardwise"]["record"]["built_on"], r["ddp"]["record"]["built_on"]) == ("meta", "cpu")
         assert _close(r["shardwise"]["val_loss"], r["ddp"]["val_loss"]) <= RTOL
 
 
@@ -204,8 +208,8 @@ def test_fabric_loop_trains_as_ddp(ws):
     """The optimizer built before fabric.setup, no_backward_sync accumulation, clip_gradients: DDP's losses and
     gradient norms on every rank; also with sharding_strategy="hybrid_shard" over a mesh given as its sizes."""
     for rank, r in enumerate(_fabric(ws)):
-        _assert_like_ddp(r["shardwise"], r["ddp"], f"rank {rank}")
-        _assert_like_ddp(r["hybrid"], r["ddp"], f"hybrid_shard over mesh=({ws}, 1), rank {rank}")
+        _assert_like_ddp(r["shardwise"], r["ddp"], f"rank {rank}", ws)
+        _assert_like_ddp(r["hybrid"], r["ddp"], f"hybrid_shard over mesh=({ws}, 1), rank {rank}", ws)
 
 
 def test_fabric_no_backward_sync_holds_the_gradients():
@@ -223,7 +227,9 @@ def test_fabric_resumes_and_other_shard_options_give_the_same_bits(ws):
         half = len(r["shardwise"]["loss"]) // 2
         assert r["resumed"]["loss"] == r["shardwise"]["loss"][half:], f"rank {rank}"
         assert r["resumed"]["grad_norm"] == r["shardwise"]["grad_norm"][len(r["shardwise"]["grad_norm"]) // 2:]
-        assert r["meta"] == r["shardwise"], f"rank {rank}"
+        assert (r["meta"]["built_on"], r["shardwise"]["built_on"]) == ("meta", "cpu")
+        for key in ("loss", "grad_norm", "deferred"):
+            assert r["meta"][key] == r["shardwise"][key], f"rank {rank}: {key}"
 
 
 def test_fabric_loads_a_model_alone_from_the_whole_state_dict():
@@ -278,6 +284,13 @@ def test_trainer_hands_sync_batchnorm_to_the_strategy_under_the_private_name():
 
     assert isinstance(layer_sync(sync_batchnorm=True), LayerSync)
     assert layer_sync() is None
+
+
+def test_num_nodes_reaches_the_strategy_from_the_trainer_and_from_fabric():
+    """The Trainer sets ``num_nodes``; Fabric's connector writes it under the private name in
+    ``_private_lightning_names``."""
+    assert L.Trainer(strategy="shardwise", accelerator="cpu", devices=1, num_nodes=2, logger=False).strategy.num_nodes == 2
+    assert L.Fabric(strategy="shardwise", accelerator="cpu", devices=1, num_nodes=2).strategy.num_nodes == 2
 
 
 def test_several_processes_without_a_launcher_are_refused_with_the_torchrun_line():
