@@ -9,21 +9,23 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.engine import device as devices, logical_shapes, materialize, optimizer_guard, state_dict_stamps
-from shardwise.engine.wrapper_refusal import refuse_wrappers
+from shardwise.engine.base import device as devices
+from shardwise.engine import logical_shapes, materialize
+from shardwise.engine.surface import optimizer_guard, state_dict_stamps
+from shardwise.engine.surface.wrapper_refusal import refuse_wrappers
 from shardwise.engine.buffer_broadcast import BufferBroadcast
 from shardwise.engine.activation_checkpoint import checkpoint_unit
-from shardwise.engine.fingerprint import CollectiveChecker, check_same_plan, checks_enabled
+from shardwise.engine.checks.fingerprint import CollectiveChecker, check_same_plan, checks_enabled
 from shardwise.errors import ShardwiseError
-from shardwise.engine.flat_group import FlatGroup
-from shardwise.engine.mixed_precision import MixedPrecision
-from shardwise.engine.cpu_offload import CPUOffload
+from shardwise.engine.core.flat_group import FlatGroup
+from shardwise.engine.base.mixed_precision import MixedPrecision
+from shardwise.engine.base.cpu_offload import CPUOffload
 from shardwise.engine.offload_transfers import OffloadTransfers
-from shardwise.engine.param_hooks import adopt_tensor_hooks
-from shardwise.engine.plan import UnitsSpec, build_plan, entry_modules
-from shardwise.engine.runtime import STATE_ATTR, ModelRuntime, Unit, runtime_of
-from shardwise.engine.shard_param import warn_if_backward_inputs_unseen
-from shardwise.engine.strategy import Strategy, resolve_groups
+from shardwise.engine.surface.param_hooks import adopt_tensor_hooks
+from shardwise.engine.base.plan import UnitsSpec, build_plan, entry_modules
+from shardwise.engine.core.runtime import STATE_ATTR, ModelRuntime, Unit, runtime_of
+from shardwise.engine.surface.shard_param import warn_if_backward_inputs_unseen
+from shardwise.engine.base.strategy import Strategy, resolve_groups
 
 def shard(
     model: nn.Module,
@@ -58,7 +60,7 @@ def shard(
         param_init_fn: initialises a module's own parameters when the model is on the meta device
             (default: ``module.reset_parameters()``).
         device: compute device; default: the parameters' accelerator, else ``cuda:<current>`` when the
-            process group moves CUDA tensors over NCCL, else CPU (``shardwise.engine.device.compute_device``).
+            process group moves CUDA tensors over NCCL, else CPU (``shardwise.engine.base.device.compute_device``).
         prefetch: start the next unit's all-gather before the current one computes.
         activation_checkpointing: recompute each (non-root) unit's activations in backward instead of
             keeping them.

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.engine import collectives
+from shardwise.engine.base import collectives
 from shardwise.errors import ShardwiseError
-from shardwise.engine.flat_group import FlatGroup, version_counter
+from shardwise.engine.core.flat_group import FlatGroup, version_counter
 from shardwise.engine.hf_init import hf_param_init_fn, is_hf_model
-from shardwise.engine.plan import ParamSpec
+from shardwise.engine.base.plan import ParamSpec
 
 
 def _specs_by_param(groups: list[FlatGroup]) -> dict[int, tuple[FlatGroup, int]]:

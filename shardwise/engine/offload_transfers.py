@@ -33,9 +33,9 @@ from typing import Callable, Optional
 
 import torch
 
-from shardwise.engine.device import copy_streams
-from shardwise.engine.cpu_offload import CPUOffload
-from shardwise.engine.shard_grad import local_only
+from shardwise.engine.base.device import copy_streams
+from shardwise.engine.base.cpu_offload import CPUOffload
+from shardwise.engine.surface.pieces import local_only
 
 
 class Landing:

@@ -45,9 +45,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardwise.engine.runtime import STATE_ATTR
-from shardwise.engine import agree
-from shardwise.engine.host_memory import release_freed_host_memory
+from shardwise.engine.core.runtime import STATE_ATTR
+from shardwise.engine.checks import agree
+from shardwise.engine.base.host_memory import release_freed_host_memory
 from shardwise.errors import ShardwiseError
 from shardwise.engine.hf_init import hf_param_init_fn, is_hf_model
 from shardwise.hf.quantized_load import (COMPANIONS, QuantTarget, gather_absmax, load_prequantised, local_absmax,

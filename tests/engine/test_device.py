@@ -1,4 +1,4 @@
-"""One place decides the compute device and which backend carries a collective (``shardwise.engine.device``):
+"""One place decides the compute device and which backend carries a collective (``shardwise.engine.base.device``):
 the default group of ``init_process_group()`` without a backend reports ``'undefined'`` and carries CPU
 tensors over gloo and CUDA tensors over NCCL; a GPU machine must then compute on the GPU."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.engine import device
+from shardwise.engine.base import device
 @pytest.mark.parametrize("config,expected", [
     ("cpu:gloo,cuda:nccl", {"cpu": "gloo", "cuda": "nccl"}),
     ("gloo", {"cpu": "gloo", "cuda": "gloo"}),

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from shardwise.engine import collectives
+from shardwise.engine.base import collectives
 from shardwise.errors import ShardwiseError
 
 STAMP_KEY = "shardwise_piece"

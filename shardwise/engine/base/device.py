@@ -77,7 +77,7 @@ def communication_device(group=None) -> torch.device:
 def copy_streams(device: torch.device):
     """Streams and events for host <-> ``device`` copies (streams.py): CUDA's own on a CUDA device, so
     offload copies overlap compute; synchronous host stand-ins anywhere else."""
-    from shardwise.engine import streams
+    from shardwise.engine.base import streams
     device = torch.device(device)
     if device.type == "cuda":
         return streams.CudaCopyStreams(device)

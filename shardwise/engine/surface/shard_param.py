@@ -7,7 +7,7 @@ Two kinds of torch code would take the piece for the whole:
 - **Reductions over the parameters themselves**: weight-norm logging (``get_total_norm(model.parameters())``,
   ``parameters_to_vector(model.parameters()).norm()``, ``p.norm()``, ``p.abs().max()``), an L2 penalty
   written by hand (``loss + wd * sum(p.pow(2).sum() for p in model.parameters())``). A ``ShardParam`` is a
-  ``shard_grad.ShardPiece``: the one table there decides, for parameters as for gradients, what is exact
+  ``pieces.ShardPiece``: the one table there decides, for parameters as for gradients, what is exact
   (one all-reduce per call), what follows the piece and what is refused. Exact sums and finite-order norms
   are differentiable: each rank's piece gets its single-process gradient, which autograd accumulates into
   ``p.grad`` before the engine adds the reduced gradient of the rest of the loss
@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from shardwise.engine.logical_shapes import where_of
-from shardwise.engine.shard_grad import (_EXACT, _FOLLOWS_PIECE, _FOREACH_TYPES, ShardPiece, as_piece, local_only,
+from shardwise.engine.surface.pieces import (_EXACT, _FOLLOWS_PIECE, _FOREACH_TYPES, ShardPiece, as_piece, local_only,
                                          register_foreach_types, strip)
 from shardwise.errors import ShardwiseError
 

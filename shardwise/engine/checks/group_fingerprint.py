@@ -16,10 +16,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from shardwise.engine import collectives
-from shardwise.engine.device import backend_for
-from shardwise.engine.fingerprint import SLOT, CollectiveChecker, Stamp
-from shardwise.engine.strategy import ProcessGroups
+from shardwise.engine.base import collectives
+from shardwise.engine.base.device import backend_for
+from shardwise.engine.checks.fingerprint import SLOT, CollectiveChecker, Stamp
+from shardwise.engine.base.strategy import ProcessGroups
 
 
 def carries_digits(dtype: torch.dtype) -> bool:

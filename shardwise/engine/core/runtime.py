@@ -17,12 +17,12 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from shardwise.engine import collectives, watchdog
-from shardwise.engine.pending_reduce import PendingReduce
-from shardwise.engine.mixed_precision import MixedPrecision
-from shardwise.engine.strategy import ProcessGroups, Strategy
-from shardwise.engine.unit import FrameKind, Phase, Unit
-from shardwise.engine.wrapper_refusal import refuse_deepcopy, refuse_pickle
+from shardwise.engine.base import collectives, watchdog
+from shardwise.engine.core.pending_reduce import PendingReduce
+from shardwise.engine.base.mixed_precision import MixedPrecision
+from shardwise.engine.base.strategy import ProcessGroups, Strategy
+from shardwise.engine.core.unit import FrameKind, Phase, Unit
+from shardwise.engine.core.copy_refusal import refuse_deepcopy, refuse_pickle
 from shardwise.errors import ShardwiseError
 
 
@@ -58,7 +58,7 @@ class ModelRuntime:
         self.device = device  # the compute device
 
     # copy.deepcopy(model) and torch.save(model) reach this through every submodule's attribute: refused by
-    # name instead of failing on a ProcessGroup pickle (wrapper_refusal.py).
+    # name instead of failing on a ProcessGroup pickle (copy_refusal.py).
     __deepcopy__, __reduce_ex__ = refuse_deepcopy, refuse_pickle
 
     def flat_groups(self):

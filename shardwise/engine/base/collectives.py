@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from shardwise.engine import device as devices, flags, watchdog
+from shardwise.engine.base import device as devices, flags, watchdog
 from shardwise.errors import ShardwiseError
 
 # torch 2.13 deprecates the *_tensor names in favour of *_single; 2.11 (the GPU image) only has the old ones.

@@ -40,15 +40,15 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from shardwise.errors import ShardwiseError
-from shardwise.engine.flat_group import FlatGroup
-from shardwise.engine.mixed_precision import cast_floating
-from shardwise.engine.nested import iter_tensors
-from shardwise.engine.plan import UnitPlan
-from shardwise.engine.shard_grad import local_only
-from shardwise.engine.wrapper_refusal import refuse_deepcopy, refuse_pickle
+from shardwise.engine.core.flat_group import FlatGroup
+from shardwise.engine.base.mixed_precision import cast_floating
+from shardwise.engine.base.nested import iter_tensors
+from shardwise.engine.base.plan import UnitPlan
+from shardwise.engine.surface.pieces import local_only
+from shardwise.engine.core.copy_refusal import refuse_deepcopy, refuse_pickle
 
 if TYPE_CHECKING:
-    from shardwise.engine.runtime import ModelRuntime
+    from shardwise.engine.core.runtime import ModelRuntime
 
 
 class Phase(enum.Enum):

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from shardwise.engine import collectives
-from shardwise.engine.fingerprint import Stamp
+from shardwise.engine.base import collectives
+from shardwise.engine.checks.fingerprint import Stamp
 
 if TYPE_CHECKING:
-    from shardwise.engine.flat_group import FlatGroup
+    from shardwise.engine.core.flat_group import FlatGroup
 
 
 class PendingReduce:

@@ -9,8 +9,8 @@ from typing import Callable, Optional
 
 import torch
 
-from shardwise.engine.param_hooks import post_accumulate_grad_hooks, tensor_hooks
-from shardwise.engine.shard_grad import ShardGrad, as_shard_grad, local_only
+from shardwise.engine.surface.param_hooks import post_accumulate_grad_hooks, tensor_hooks
+from shardwise.engine.surface.pieces import ShardGrad, as_shard_grad, local_only
 from shardwise.errors import ShardwiseError
 
 

@@ -31,20 +31,20 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from shardwise.engine import collectives
-from shardwise.engine.fingerprint import CollectiveChecker, Stamp
-from shardwise.engine.group_fingerprint import GroupFingerprint, Unchecked
+from shardwise.engine.base import collectives
+from shardwise.engine.checks.fingerprint import CollectiveChecker, Stamp
+from shardwise.engine.checks.group_fingerprint import GroupFingerprint, Unchecked
 from shardwise.errors import ShardwiseError
-from shardwise.engine.mixed_precision import MixedPrecision
-from shardwise.engine.cpu_offload import CPUOffload
-from shardwise.engine.direct_grads import DirectGrads, accumulate_into_grad
-from shardwise.engine.param_hooks import (full_grad, has_tensor_hooks, hooked_piece, post_accumulate_grad_hooks,
+from shardwise.engine.base.mixed_precision import MixedPrecision
+from shardwise.engine.base.cpu_offload import CPUOffload
+from shardwise.engine.surface.direct_grads import DirectGrads, accumulate_into_grad
+from shardwise.engine.surface.param_hooks import (full_grad, has_tensor_hooks, hooked_piece, post_accumulate_grad_hooks,
                                           refuse_under_no_sync, run_post_accumulate_grad_hooks, tensor_hooks)
-from shardwise.engine.pending_reduce import PendingReduce
-from shardwise.engine.plan import FlatGroupPlan
-from shardwise.engine.shard_grad import local_only, register_group
-from shardwise.engine.shard_param import make_shard_param
-from shardwise.engine.strategy import ProcessGroups
+from shardwise.engine.core.pending_reduce import PendingReduce
+from shardwise.engine.base.plan import FlatGroupPlan
+from shardwise.engine.surface.pieces import local_only, register_group
+from shardwise.engine.surface.shard_param import make_shard_param
+from shardwise.engine.base.strategy import ProcessGroups
 
 
 class GatherState(enum.Enum):
