@@ -35,7 +35,6 @@ import torch
 
 from shardwise.engine.base.device import copy_streams
 from shardwise.engine.base.cpu_offload import CPUOffload
-from shardwise.engine.surface.pieces import local_only
 
 
 class Landing:
@@ -85,9 +84,7 @@ class OffloadTransfers:
         """Start copying a reduced gradient shard to the host. ``final``: the group receives no other
         gradient in this backward (its optimizer step may start once this one lands)."""
         self._settle(group)  # an earlier gradient of this group is handed out first: it decides where this goes
-        with local_only():
-            has_grad = any(p.grad is not None for p in group.shard_params)
-        buffer = self._host_buffer(group, "incoming" if has_grad else "grad")
+        buffer = self._host_buffer(group, "incoming" if group.sink.has_grad(group) else "grad")
         self.d2h.wait_stream(self.streams.current_stream())  # the reduced shard is complete on the compute stream
         with self.streams.using(self.d2h):
             src = grad_shard if grad_shard.dtype == buffer.dtype else grad_shard.to(buffer.dtype)
@@ -107,7 +104,7 @@ class OffloadTransfers:
         or added to the ``.grad`` they hold)."""
         landing.event.synchronize()
         self.note("landed", landing.group)
-        landing.group.accumulate_grad_shard(landing.buffer)
+        landing.group.sink.accumulate(landing.group, landing.buffer)
 
     def _host_buffer(self, group, kind: str) -> torch.Tensor:
         key = (group, kind)

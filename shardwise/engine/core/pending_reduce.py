@@ -55,8 +55,5 @@ class PendingReduce:
             g.fingerprint.wait(work, g._what("all_reduce"), stamp, self.out_buffer)
         if self.divide_by != 1:
             out.div_(self.divide_by)
-        if g.transfers is not None:
-            g.transfers.grad_to_host(g, out, self.final)  # handed out once it has landed on the host
-        else:
-            g.accumulate_grad_shard(out)
+        g.sink.deliver(g, out, self.final)  # to .grad (through the host under CPU offload): seams.py
         self.out_buffer = None

@@ -21,6 +21,7 @@ from shardwise.engine.base import collectives, watchdog
 from shardwise.engine.core.pending_reduce import PendingReduce
 from shardwise.engine.base.mixed_precision import MixedPrecision
 from shardwise.engine.base.strategy import ProcessGroups, Strategy
+from shardwise.engine.checks.fingerprint import CollectiveChecker
 from shardwise.engine.core.unit import FrameKind, Phase, Unit
 from shardwise.engine.core.copy_refusal import refuse_deepcopy, refuse_pickle
 from shardwise.errors import ShardwiseError
@@ -35,7 +36,8 @@ class ModelRuntime:
     MAX_GRAD_FLATS_ALIVE = MAX_PENDING_REDUCES + 1
 
     def __init__(self, strategy: Strategy, groups: ProcessGroups, mixed_precision: MixedPrecision, prefetch: bool,
-                 *, plan=None, state_dict_keys: Optional[list[str]] = None, device: Optional[torch.device] = None):
+                 *, plan=None, state_dict_keys: Optional[list[str]] = None, device: Optional[torch.device] = None,
+                 transfers=None, check_collectives: bool = False):
         self.strategy = strategy
         self.pgs = groups  # the process groups it shards and replicates over
         self.mixed_precision = mixed_precision
@@ -44,15 +46,17 @@ class ModelRuntime:
         self.phase = Phase.IDLE
         self.require_grad_sync = True
         self.forward_count = 0  # top-level forwards so far (micro-batches count one each)
-        self.before_forward: list = []  # callables run at the start of every top-level forward
+        # Callables run at the start of every top-level forward (CPU offload: the last step's request order).
+        self.before_forward: list = [transfers.rotate] if transfers is not None else []
         self._order: list[Unit] = []  # units in entry order, from the last completed forward
         self._last_index: dict[int, int] = {}
         self._recording: list[Unit] = []
         self._on_track = False  # this forward so far matches the recorded order
         self._pending: deque[PendingReduce] = deque()
-        # Set by shard() once the flat groups exist:
-        self.checker = None  # fingerprint.CollectiveChecker, when the check is on
-        self.transfers = None  # offload_transfers.OffloadTransfers, under CPU offload
+        self.transfers = transfers  # offload_transfers.OffloadTransfers, under CPU offload
+        # Every collective of the model fingerprinted (fingerprint.py), when the check is on.
+        self.checker = CollectiveChecker([u.label for u in plan.units], lambda: self.phase.value,
+                                         lambda: self.forward_count) if check_collectives else None
         self.plan = plan  # plan.ShardingPlan: the units, groups and parameters (checkpoints read it)
         self.state_dict_keys = state_dict_keys  # the model's state_dict names before sharding (state_dict.py)
         self.device = device  # the compute device
@@ -162,7 +166,7 @@ class ModelRuntime:
         if self.checker is not None:
             self.checker.agree()  # before backward returns: no gradient reaches an optimizer unchecked
         for g in self.flat_groups():
-            g.direct.hand_out(g)  # penalties computed from the parameters themselves (direct_grads.py)
+            g.sink.end_backward(g)  # (the surface's: gradients that reached a parameter directly, a penalty)
         for u in self.units:
             u.owed_backwards = 0
             u.backward_views = None
@@ -214,7 +218,7 @@ class ModelRuntime:
         while self._pending:
             self._pending.popleft().finish(discard=True)
         for g in self.flat_groups():
-            g.direct.drop()
+            g.sink.recover(g)
         if self.transfers is not None:
             self.transfers.recover()
         for u in self.units:

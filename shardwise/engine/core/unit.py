@@ -44,7 +44,6 @@ from shardwise.engine.core.flat_group import FlatGroup
 from shardwise.engine.base.mixed_precision import cast_floating
 from shardwise.engine.base.nested import iter_tensors
 from shardwise.engine.base.plan import UnitPlan
-from shardwise.engine.surface.pieces import local_only
 from shardwise.engine.core.copy_refusal import refuse_deepcopy, refuse_pickle
 
 if TYPE_CHECKING:
@@ -91,8 +90,7 @@ class UnshardParams(torch.autograd.Function):
         ctx.group, ctx.ticket = group, ticket
         ctx.set_materialize_grads(False)  # unused parameters arrive as None, not as zero tensors
         views = group.full_views()
-        with local_only():
-            frozen = [v for v, p in zip(views, group.shard_params) if not p.requires_grad]
+        frozen = [v for v, p in zip(views, group.shard_params) if not group.factory.requires_grad(p)]
         if frozen:  # frozen after shard(): no gradient is computed for it, none handed out
             ctx.mark_non_differentiable(*frozen)
         return tuple(views)
@@ -223,10 +221,9 @@ class Unit:
             if dtype is not None:
                 g.adopt_conversion(dtype)  # model.to(dtype) / .double() / .half(): follow it, as FSDP2 does
                 continue
-            p = g.shard_params[bad]
             raise ShardwiseError(
                 f"parameter {g.plan.params[bad].fqn!r} of unit {self.label!r} was changed after "
-                f"shardwise.shard() (now {p.dtype}, shape {tuple(p.shape)} on {p.device}; its shard is "
+                f"shardwise.shard() ({g.factory.describe(g.shard_params[bad])}; its shard is "
                 f"{g.plan.dtype} on {g.shard.device}): assigning p.data, converting only some parameters and "
                 f".to(device) are not supported on a sharded model; do them before shard(), load values with "
                 f"shardwise.load_full_state_dict or shardwise.summon_full_params(writeback=True)")

@@ -35,13 +35,13 @@ import torch
 import torch.distributed as dist
 
 from shardwise.engine.base import collectives
+from shardwise.engine.surface.shard_param import where_of
 from shardwise.errors import ShardwiseError
 
 STAMP_KEY = "shardwise_piece"
 # optimizer -> its _Guard; beside the optimizer, not in it: a guard holds flat groups (and through them
 # process groups), which copy.deepcopy(optimizer) or pickling it must not meet.
 _GUARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_WHERE_ATTR = "_shardwise_where"  # logical_shapes: (FlatGroup, index) on every shard parameter
 
 # Verified elementwise per element (torch 2.13 sources): every per-parameter tensor of state has the
 # parameter's shape and is updated from the same element of param/grad/state; the rest are scalars that
@@ -104,7 +104,7 @@ def _examine(optimizer) -> _Guard:
             raise ShardwiseError(
                 f"{type(optimizer).__name__} holds parameter {fqn!r} from before shardwise.shard(); "
                 f"build the optimizer after shard() from model.parameters()")
-        where = getattr(p, _WHERE_ATTR, None)
+        where = where_of(p)
         if where is not None:  # a shard parameter: 1-D, a piece of the whole even for a group of one rank
             pieces.append((i, p) + tuple(where))
     cls = type(optimizer)
@@ -129,7 +129,7 @@ def _is_wrapper(optimizer) -> bool:
 
 def stamp_of(p: torch.Tensor) -> Optional[int]:
     """The identity of this rank's piece of shard parameter ``p``: name, element range, full size."""
-    where = getattr(p, _WHERE_ATTR, None)
+    where = where_of(p)
     if where is None:
         return None
     group, i = where
@@ -165,7 +165,7 @@ def verify_state(optimizer, guard: _Guard) -> None:
     bad = int(verdict[0])
     if bad:
         params = _params(optimizer)
-        where = getattr(params[bad - 1], _WHERE_ATTR)
+        where = where_of(params[bad - 1])
         fqn = where[0].plan.params[where[1]].fqn
         detail = why if bad == first_bad else "on another rank of its shard group (see that rank's error)"
         raise ShardwiseError(
