@@ -21,7 +21,8 @@ import torch.nn as nn
 
 from shardwise.engine.base import collectives
 from shardwise.errors import ShardwiseError
-from shardwise.engine.core.unit import Frame, FrameKind, Phase, autograd_engine_running
+from shardwise.engine.base.torch_internals import autograd_engine_running
+from shardwise.engine.core.unit import Frame, FrameKind, Phase
 
 
 def _runtime(module: nn.Module):

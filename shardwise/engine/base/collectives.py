@@ -245,7 +245,7 @@ def _waits_on_cpu(group) -> bool:
     key = id(group)
     cached = _cpu_wait_cache.get(key)
     if cached is None:
-        cached = not ("nccl" in devices.backends(group).values() and torch.cuda.is_available())
+        cached = not devices.moves_cuda_over_nccl(group)
         _cpu_wait_cache[key] = cached
     return cached
 

@@ -39,7 +39,8 @@ from shardwise.engine.base.strategy import ProcessGroups, Strategy
 from shardwise.engine.checks.fingerprint import CollectiveChecker, Stamp
 from shardwise.engine.checks.group_fingerprint import GroupFingerprint
 from shardwise.engine.core.pending_reduce import PendingReduce
-from shardwise.engine.core.seams import GradSink, ParamFactory, version_counter
+from shardwise.engine.base.torch_internals import resize_storage, version_counter
+from shardwise.engine.core.seams import GradSink, ParamFactory
 from shardwise.errors import ShardwiseError
 
 
@@ -154,13 +155,12 @@ class FlatGroup:
             # counter, so refilling the buffer in backward does not trip autograd's check that saved
             # tensors (views of `gathered`) were not modified in place.
             self.state = GatherState.SHARDED
-            self._make_writer()
+            self._make_gathered_alias()
         # ZeRO-1/2 keep the gathered buffer across steps (nothing to keep when it is the shard itself).
         self.keep_gathered = self.strategy.keeps_params_gathered and not self.aliases_shard
         self.refresh_due = True  # the gathered buffer does not hold the shard's current values
         if self.keep_gathered:
             _KEPT_GATHERED.add(self)
-            _refresh_after_optimizer_steps()
 
     def shard_version(self) -> tuple:
         """Changes whenever the shard is written in place (optimizer step, load, user code under no_grad)."""
@@ -209,15 +209,15 @@ class FlatGroup:
         if self.checker is not None:
             self._make_fingerprint()  # the room depends on the new compute dtype
 
-    def _make_writer(self) -> None:
+    def _make_gathered_alias(self) -> None:
         """Collectives write through a second tensor on the gathered storage, the data plus the in-band
         fingerprint's room: it has its own version counter, so refilling the buffer in backward does not trip
         autograd's check that saved tensors (views of `gathered`) were not modified in place."""
         numel = self.plan.padded_numel + self.fingerprint.room_gathered
-        self._writer = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
+        self.gathered_alias = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
             self.gathered.untyped_storage(), 0, (numel,), (1,))
         if self.state is not GatherState.GATHERED:
-            self.gathered.untyped_storage().resize_(0)  # set_ grew the storage to fit: free it again
+            resize_storage(self.gathered, 0)  # set_ grew the storage to fit: free it again
 
     def _make_fingerprint(self) -> None:
         """Fingerprint every collective of this group (group_fingerprint.py); the room it needs after the
@@ -225,7 +225,7 @@ class FlatGroup:
         self.fingerprint = GroupFingerprint(self.checker, self.ids, self.pgs, self.device, self.param_dtype,
                                             self.all_reduce_grads)
         if not self.aliases_shard:
-            self._make_writer()
+            self._make_gathered_alias()
 
     def _what(self, op: str) -> str:
         return f"{op} of unit {self.plan.unit_fqn or '<root>'!r} ({self.plan.dtype}, {self.plan.padded_numel} elements)"
@@ -270,8 +270,7 @@ class FlatGroup:
             self.state = GatherState.SHARDED  # ZeRO-1/2 after a step: refill the kept buffer
         if self.state is not GatherState.SHARDED:
             return
-        storage = self.gathered.untyped_storage()
-        storage.resize_((self.plan.padded_numel + self.fingerprint.room_gathered) * self.param_dtype.itemsize)
+        resize_storage(self.gathered, (self.plan.padded_numel + self.fingerprint.room_gathered) * self.param_dtype.itemsize)
         src = self.shard
         if self.transfers is not None:
             src = self.transfers.shard_on_device(self)  # copied ahead on a side stream; waited here
@@ -280,11 +279,11 @@ class FlatGroup:
         if src.dtype != self.param_dtype:
             src = src.to(self.param_dtype)
         if self.pgs.shard is None:
-            self._writer.copy_(src)
+            self.gathered_alias.copy_(src)
         else:
             stamp = self.fingerprint.announce("all_gather", self.plan.padded_numel, self.param_dtype)
             self._gather_work = collectives.all_gather_into(
-                self._writer, src, self.pgs.shard, async_op=True, header=stamp.header if stamp else None)
+                self.gathered_alias, src, self.pgs.shard, async_op=True, header=stamp.header if stamp else None)
             self._gather_src, self._gather_stamp = src, stamp
         self.state = GatherState.GATHERING
         self.refresh_due = False
@@ -294,7 +293,7 @@ class FlatGroup:
             work, stamp = self._gather_work, self._gather_stamp
             self._gather_work = self._gather_src = self._gather_stamp = None
             try:
-                self.fingerprint.wait(work, self._what("all_gather"), stamp, self._writer)
+                self.fingerprint.wait(work, self._what("all_gather"), stamp, self.gathered_alias)
             except BaseException:
                 # A stalled or mismatched all-gather may still write into the buffer: never free it, and
                 # never wait on it a second time (a failed forward's always-called exit reshards).
@@ -308,7 +307,7 @@ class FlatGroup:
         self.wait_unshard()  # never free memory a collective is still writing into
         if self.keep_gathered:
             return  # ZeRO-1/2: kept until the next step's first unshard refills it
-        self.gathered.untyped_storage().resize_(0)
+        resize_storage(self.gathered, 0)
         self.state = GatherState.SHARDED
 
     # ---- gradients --------------------------------------------------------------------------------
@@ -379,24 +378,15 @@ class FlatGroup:
 
 # ZeRO-1/2 groups alive in this process: an optimizer step makes their gathered buffers stale.
 _KEPT_GATHERED: "weakref.WeakSet[FlatGroup]" = weakref.WeakSet()
-_refresh_hook_installed = False
 
 
-def _refresh_after_optimizer_steps() -> None:
-    """Any ``torch.optim.Optimizer`` step marks every kept gathered buffer for a refill at its next unshard.
-    All ranks step together, so the verdict is the same on every rank (a rank-local signal such as the
-    version counters alone could make one rank all-gather while another does not)."""
-    global _refresh_hook_installed
-    if _refresh_hook_installed:
-        return
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    def mark_stale(optimizer, args, kwargs) -> None:
-        for g in list(_KEPT_GATHERED):
-            g.refresh_due = True
-
-    register_optimizer_step_post_hook(mark_stale)
-    _refresh_hook_installed = True
+def mark_kept_copies_stale() -> None:
+    """Any ``torch.optim.Optimizer`` step marks every kept gathered buffer for a refill at its next unshard
+    (the process-wide step post-hook, installed with the pre-hook in surface/optimizer_guard.py). All ranks
+    step together, so the verdict is the same on every rank (a rank-local signal such as the version
+    counters alone could make one rank all-gather while another does not)."""
+    for g in list(_KEPT_GATHERED):
+        g.refresh_due = True
 
 
 def gathered_aliases_shard(shard_size: int, master_dtype: torch.dtype, compute_dtype: torch.dtype,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from shardwise.engine.base import collectives
+from shardwise.engine.base.torch_internals import resize_storage
 from shardwise.engine.checks.fingerprint import Stamp
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ class PendingReduce:
         if self.flat is not None and self.flat.untyped_storage().data_ptr() != self.out_buffer.untyped_storage().data_ptr():
             # Its memory is freed now: collectives keep the finished work (and so this tensor) referenced for
             # a while ([Note: a gloo worker must never free a Python object] in collectives.py).
-            self.flat.untyped_storage().resize_(0)
+            resize_storage(self.flat, 0)
         self.flat = None  # the unsharded gradient buffer dies here (ZeRO-1: lives on behind the grad views)
         if discard:
             self.out_buffer = None

@@ -21,7 +21,9 @@ from shardwise.engine.base import collectives, watchdog
 from shardwise.engine.core.pending_reduce import PendingReduce
 from shardwise.engine.base.mixed_precision import MixedPrecision
 from shardwise.engine.base.strategy import ProcessGroups, Strategy
+from shardwise.engine.base.torch_internals import call_after_backward
 from shardwise.engine.checks.fingerprint import CollectiveChecker
+from shardwise.engine.core.flat_group import GatherState
 from shardwise.engine.core.unit import FrameKind, Phase, Unit
 from shardwise.engine.core.copy_refusal import refuse_deepcopy, refuse_pickle
 from shardwise.errors import ShardwiseError
@@ -135,8 +137,7 @@ class ModelRuntime:
     def begin_backward(self) -> None:
         if self.phase is not Phase.BACKWARD:
             self.phase = Phase.BACKWARD
-            # Runs once, after the last node of this backward pass, in the autograd engine.
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+            call_after_backward(self.end_backward)  # once, after the last node of this backward pass
 
     def add_pending(self, pending: PendingReduce) -> None:
         self._pending.append(pending)
@@ -249,10 +250,11 @@ class ModelRuntime:
             for g in u.flat_groups:
                 if g.keep_gathered:  # ZeRO-1/2: gathered (or not yet gathered), never half-way
                     held = g.gathered.untyped_storage().nbytes()
-                    if g.state.value not in ("sharded", "gathered") or (g.state.value == "gathered") != bool(held):
+                    gathered = g.state is GatherState.GATHERED
+                    if g.state not in (GatherState.SHARDED, GatherState.GATHERED) or gathered != bool(held):
                         problems.append(f"unit {u.label!r} ({g.plan.dtype}) kept gathered is {g.state.value} "
                                         f"with {held} bytes of gathered storage")
-                elif not g.aliases_shard and g.state.value != "sharded":
+                elif not g.aliases_shard and g.state is not GatherState.SHARDED:
                     problems.append(f"unit {u.label!r} ({g.plan.dtype}) is still {g.state.value}")
                 elif not g.aliases_shard and g.gathered.untyped_storage().nbytes():
                     problems.append(f"unit {u.label!r} ({g.plan.dtype}) is sharded but holds "

@@ -50,14 +50,10 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.nn as nn
 
+from shardwise.engine.base.torch_internals import version_counter
+
 if TYPE_CHECKING:
     from shardwise.engine.core.flat_group import FlatGroup
-
-
-def version_counter(t: torch.Tensor) -> int:
-    """Autograd's in-place version counter of ``t`` (bumped by every in-place op on it or a view of it).
-    Private attribute ``Tensor._version``, isolated here (checked on torch 2.11 and 2.13)."""
-    return t._version
 
 
 def storage_home(t: torch.Tensor) -> tuple:

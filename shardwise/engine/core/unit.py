@@ -42,6 +42,7 @@ import torch
 from shardwise.errors import ShardwiseError
 from shardwise.engine.core.flat_group import FlatGroup
 from shardwise.engine.base.mixed_precision import cast_floating
+from shardwise.engine.base.torch_internals import autograd_engine_running
 from shardwise.engine.base.nested import iter_tensors
 from shardwise.engine.base.plan import UnitPlan
 from shardwise.engine.core.copy_refusal import refuse_deepcopy, refuse_pickle
@@ -54,14 +55,6 @@ class Phase(enum.Enum):
     IDLE = "idle"
     FORWARD = "forward"
     BACKWARD = "backward"
-
-
-def autograd_engine_running() -> bool:
-    """Whether this thread is executing a backward pass (a forward now is a recompute).
-
-    Private API, isolated here: ``torch._C._current_graph_task_id()`` is -1 outside the autograd engine
-    (checked on torch 2.11 and 2.13)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class BackwardTicket:

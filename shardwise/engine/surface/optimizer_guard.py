@@ -1,4 +1,7 @@
-"""What every ``torch.optim.Optimizer`` step over shard parameters checks (process-wide step hooks).
+"""What happens around every ``torch.optim.Optimizer`` step: the process-wide step hooks, both here.
+
+After a step, every gathered copy of a shard kept across steps (ZeRO-1/2) is refilled at its next unshard
+(``flat_group.mark_kept_copies_stale``). Before it, what a step over shard parameters checks:
 
 A shard parameter is one rank's 1-D piece of a parameter. An optimizer steps it exactly as it would the
 whole only if it updates each element from that element's own values and the optimizer's scalars: the
@@ -35,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.engine.base import collectives
+from shardwise.engine.core.flat_group import mark_kept_copies_stale
 from shardwise.engine.surface.shard_param import where_of
 from shardwise.errors import ShardwiseError
 
@@ -231,6 +235,10 @@ def before_step(optimizer, args, kwargs) -> None:
         guard.state = optimizer.state
 
 
+def after_step(optimizer, args, kwargs) -> None:
+    mark_kept_copies_stale()
+
+
 _installed = False
 
 
@@ -239,7 +247,8 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     register_optimizer_step_pre_hook(before_step)
+    register_optimizer_step_post_hook(after_step)
     _installed = True

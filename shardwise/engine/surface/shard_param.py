@@ -37,7 +37,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from shardwise.engine.core.seams import ParamFactory, version_counter
+from shardwise.engine.base.torch_internals import version_counter
+from shardwise.engine.core.seams import ParamFactory
 from shardwise.engine.surface.pieces import (_EXACT, _FOLLOWS_PIECE, _FOREACH_TYPES, ShardPiece, as_piece, local_only,
                                              register_foreach_types, register_group, strip)
 from shardwise.errors import ShardwiseError
