@@ -2,7 +2,7 @@
 
 Per sharded model (one per ``shard(..., offload=CPUOffload())``):
 
-* **device -> host.** When a unit's reduce-scatter finishes (``PendingReduce.finish``), its gradient shard
+* **device -> host.** When a unit's reduce-scatter finishes (``reduction.finish``), its gradient shard
   is copied into a pinned host buffer of the flat group (allocated once, reused every step) on the D2H
   side stream, and an event is recorded after the copy. Nothing on the host reads that buffer before the
   event is waited on: the *hand-out* (``.grad`` of each shard parameter becomes a view of it, or has it

@@ -38,7 +38,7 @@ from shardwise.engine.base.plan import FlatGroupPlan
 from shardwise.engine.base.strategy import ProcessGroups, Strategy
 from shardwise.engine.checks.fingerprint import CollectiveChecker, Stamp
 from shardwise.engine.checks.group_fingerprint import GroupFingerprint
-from shardwise.engine.core.pending_reduce import PendingReduce
+from shardwise.engine.core import reduction
 from shardwise.engine.base.torch_internals import resize_storage, version_counter
 from shardwise.engine.core.seams import GradSink, ParamFactory
 from shardwise.errors import ShardwiseError
@@ -311,8 +311,9 @@ class FlatGroup:
         self.state = GatherState.SHARDED
 
     # ---- gradients --------------------------------------------------------------------------------
-    def reduce_grads(self, grads: Sequence[Optional[torch.Tensor]], sync: bool) -> Optional[PendingReduce]:
-        """Pack this group's unsharded gradients and start their reduce-scatter (or keep them, under no_sync)."""
+    def reduce_grads(self, grads: Sequence[Optional[torch.Tensor]], sync: bool) -> Optional[reduction.Reduction]:
+        """Pack this group's unsharded gradients and start their reduction (reduction.py), or keep them
+        unreduced under no_sync."""
         if not self._warned_frozen and not all(self.factory.requires_grad(p) for p in self.shard_params):
             self._warned_frozen = True
             frozen = [s.fqn for s, p in zip(self.plan.params, self.shard_params) if not self.factory.requires_grad(p)]
@@ -339,29 +340,7 @@ class FlatGroup:
             self._unsynced_grad = flat
             self.sink.mark_unsynced(self)
             return None
-        dp = self.pgs.data_parallel_size
-        # Low-precision sums divide first so they cannot overflow; fp32 divides once at the end, which
-        # keeps results closest to a single-process mean over the global batch.
-        pre_divide = self.reduce_dtype.itemsize < 4 and dp > 1
-        if pre_divide:
-            flat.div_(dp)
-        if self.pgs.shard is None:
-            return PendingReduce(self, None, buffer, self.plan.padded_numel, None, divide_by=1 if pre_divide else dp)
-        if self.all_reduce_grads:
-            # ZeRO-1: every rank gets the whole summed gradient; its grad shard is a view of its chunk.
-            stamp = self.fingerprint.announce("all_reduce", self.plan.padded_numel, self.reduce_dtype)
-            work = collectives.all_reduce_sum(buffer, self.pgs.shard, async_op=True,
-                                              header=stamp.header if stamp else None)
-            return PendingReduce(self, buffer, buffer, self.plan.shard_numel, work, divide_by=1 if pre_divide else dp,
-                                 stamp=stamp, op="all_reduce", out_offset=self.shard_start)
-        out_buffer = torch.empty(self.plan.shard_numel + self.fingerprint.room_grad_shard, dtype=self.reduce_dtype,
-                                 device=self.device)
-        out = out_buffer.narrow(0, 0, self.plan.shard_numel)
-        stamp = self.fingerprint.announce("reduce_scatter", self.plan.padded_numel, self.reduce_dtype)
-        work = collectives.reduce_scatter_into(out, buffer, self.pgs.shard, async_op=True,
-                                               header=stamp.header if stamp else None)
-        return PendingReduce(self, buffer, out_buffer, self.plan.shard_numel, work,
-                             divide_by=1 if pre_divide else dp, stamp=stamp)
+        return reduction.start(self, buffer)
 
     # [Note: the no_sync accumulator follows p.grad] Under no_sync the gradient accumulates unsharded,
     # here, not in ``p.grad``. Its lifetime follows the handles the user holds: each trainable shard

@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 
 from shardwise.engine.base import collectives, watchdog
-from shardwise.engine.core.pending_reduce import PendingReduce
+from shardwise.engine.core import reduction
+from shardwise.engine.core.reduction import Reduction
 from shardwise.engine.base.mixed_precision import MixedPrecision
 from shardwise.engine.base.strategy import ProcessGroups, Strategy
 from shardwise.engine.base.torch_internals import call_after_backward
@@ -54,7 +55,7 @@ class ModelRuntime:
         self._last_index: dict[int, int] = {}
         self._recording: list[Unit] = []
         self._on_track = False  # this forward so far matches the recorded order
-        self._pending: deque[PendingReduce] = deque()
+        self._pending: deque[Reduction] = deque()
         self.transfers = transfers  # offload_transfers.OffloadTransfers, under CPU offload
         # Every collective of the model fingerprinted (fingerprint.py), when the check is on.
         self.checker = CollectiveChecker([u.label for u in plan.units], lambda: self.phase.value,
@@ -139,14 +140,14 @@ class ModelRuntime:
             self.phase = Phase.BACKWARD
             call_after_backward(self.end_backward)  # once, after the last node of this backward pass
 
-    def add_pending(self, pending: PendingReduce) -> None:
+    def add_pending(self, pending: Reduction) -> None:
         self._pending.append(pending)
         while len(self._pending) > self.MAX_PENDING_REDUCES:
-            self._pending.popleft().finish()
+            reduction.finish(self._pending.popleft())
 
     def finish_pending(self) -> None:
         while self._pending:
-            self._pending.popleft().finish()
+            reduction.finish(self._pending.popleft())
 
     def end_backward(self) -> None:
         self.finish_pending()
@@ -217,7 +218,7 @@ class ModelRuntime:
 
     def recover(self) -> None:
         while self._pending:
-            self._pending.popleft().finish(discard=True)
+            reduction.finish(self._pending.popleft(), discard=True)
         for g in self.flat_groups():
             g.sink.recover(g)
         if self.transfers is not None:
