@@ -94,7 +94,7 @@ def load_pretrained(model: nn.Module, directory: os.PathLike | str, *, rename: R
     if to_quantise:  # 4-bit weights stored in high precision: see quantized_load.py
         gather_absmax(to_quantise)
         agree.agreed(lambda: _quantise_on_load(directory, to_quantise), what)
-    release_freed_host_memory()  # the reads' and the quantiser's freed temporaries (engine/host_memory.py)
+    release_freed_host_memory()  # the reads' and the quantiser's freed temporaries (engine/base/host_memory.py)
     if unexpected and agree.rank() == 0:
         warnings.warn(f"{directory}: {len(unexpected)} tensor(s) in the files are not used by "
                       f"{type(model).__name__}: {', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}",

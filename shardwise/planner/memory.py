@@ -8,7 +8,7 @@ shard size the strategy would use on N ranks: the flat-group sizes, padding incl
 (when the gathered buffer is the shard itself) and ``ModelRuntime.MAX_GRAD_FLATS_ALIVE`` (gradient flats
 alive at once). Activations are measured on meta tensors (``planner.activations``).
 
-What is counted, per rank (see engine/flat_group.py for the buffer lifetimes)::
+What is counted, per rank (see engine/core/flat_group.py for the buffer lifetimes)::
 
     param shards      sum(shard_numel) x stored bytes per element (``_stored_bytes``)
     grad shards       trainable shard_numel x master dtype (shard_optim / ZeRO-1: the whole reduced

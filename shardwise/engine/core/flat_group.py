@@ -2,9 +2,10 @@
 
 Buffer lifetimes (N = shard group size, P = padded numel of the group)::
 
-    shard      P/N elements, master dtype, lives as long as the model. Each parameter's shard is an
-               nn.Parameter *view* of it, so the optimizer updates it in place and the next all-gather
-               reads the updated values with no copy-in.
+    shard      P/N elements, master dtype, lives as long as the model (a new one when a dtype conversion
+               is followed). Each parameter's piece of it is a plain 1-D view (``aliases``), which the
+               user-facing parameter holds (seams.py), so the optimizer updates the shard in place and
+               the next all-gather reads the updated values with no copy-in.
     gathered   P elements, compute dtype. Allocated by unshard (storage resized up), filled by one
                all-gather, freed by reshard (storage resized to 0). Module parameters are views of it
                (no copy-out). The storage object itself survives, so tensors autograd saved in forward
@@ -16,7 +17,8 @@ Buffer lifetimes (N = shard group size, P = padded numel of the group)::
     header     room after ``gathered``, ``grad flat`` and ``grad shard`` for the collective's in-band
                fingerprint, where it has one (``fingerprint``: group_fingerprint.py decides the room;
                the data path only leaves it).
-    grad shard P/N elements. The reduce-scatter output; each parameter's ``.grad`` is a view of it.
+    grad shard P/N elements. The reduce-scatter output (reduction.py); the sink makes each parameter's
+               ``.grad`` a view of it.
                ZeRO-1 (``all_reduce_grads``): the whole all-reduced gradient (P) stays alive behind these
                views, as ZeRO-1 keeps full gradients, until the ``.grad`` are dropped.
 """

@@ -47,7 +47,9 @@ class DirectGrads:
                 f"backward: the step ran without it; compute the penalty inside the model's forward")
         for i in pending:
             p = group.shard_params[i]
-            if tensor_hooks(p) or post_accumulate_grad_hooks(p):
+            with local_only():
+                hooked = bool(tensor_hooks(p) or post_accumulate_grad_hooks(p))
+            if hooked:
                 raise ShardwiseError(
                     f"parameter {group.plan.params[i].fqn!r} has a tensor hook or a post-accumulate-grad hook and a "
                     f"gradient reached it directly (a penalty computed from the parameter itself after shard()): "

@@ -47,11 +47,14 @@ class PieceGradSink(GradSink):
     def accumulate(self, group, grad_shard: torch.Tensor) -> None:
         """Give each trainable shard parameter its piece of ``grad_shard`` (a view, so grads stay one flat
         buffer), then run its post-accumulate-grad hooks as autograd would have."""
-        if group.checker is not None and any(post_accumulate_grad_hooks(p) for p in group.shard_params):
+        with local_only():
+            post_hooked = any(post_accumulate_grad_hooks(p) for p in group.shard_params)
+            tensor_hooked = has_tensor_hooks(group)
+        if group.checker is not None and post_hooked:
             # Optimizer in backward: a hook may step now, so the ranks agree first (fingerprint.py).
             group.checker.agree("the consistency exchange before a post-accumulate-grad hook")
         grad_shard = like_shard(group, grad_shard)
-        full = full_grad(group, grad_shard) if has_tensor_hooks(group) else None  # (param_hooks.py)
+        full = full_grad(group, grad_shard) if tensor_hooked else None  # (param_hooks.py)
         for p, (lo, hi, at), spec in zip(group.shard_params, group.local_slices, group.plan.params):
             with local_only():
                 trainable, hooked = p.requires_grad, full is not None and bool(tensor_hooks(p))
@@ -69,7 +72,8 @@ class PieceGradSink(GradSink):
             return super().has_grad(group)
 
     def begin_unsynced(self, group) -> None:
-        refuse_under_no_sync(group)  # tensor hooks would see the sum of the micro-batches
+        with local_only():
+            refuse_under_no_sync(group)  # tensor hooks would see the sum of the micro-batches
 
     def mark_unsynced(self, group) -> None:
         with local_only():
