@@ -105,7 +105,7 @@ class FlatGroup:
         # The autograd input of this group's UnshardParams (unit.py): an empty leaf that needs a gradient.
         self.grad_anchor = torch.empty(0, device=device, requires_grad=True)
         # How this group's collectives are fingerprinted, and the room they need after the data.
-        self.fingerprint: Unchecked = Unchecked()
+        self.fingerprint: "Unchecked | GroupFingerprint" = Unchecked()
         self.shard_params: list[nn.Parameter] = []  # the user-facing parameters (the factory's), in plan order
         self._allocate(plan.dtype, [None] * len(plan.params))
         if checker is not None:
