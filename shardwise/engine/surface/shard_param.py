@@ -97,7 +97,8 @@ class ShardParam(ShardPiece, nn.Parameter):
 
     @property
     def _shard_key(self) -> int:  # (pieces.py reads every piece's key here)
-        return self._shardwise_piece.key
+        info = getattr(self, _INFO_ATTR, None)
+        return 0 if info is None else info.key  # 0: a ShardParam made by other code (type(p)(data)) is whole
 
 
 _FOREACH_TYPES.append(ShardParam)
