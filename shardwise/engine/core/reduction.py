@@ -35,14 +35,14 @@ if TYPE_CHECKING:
 class Reduction:
     """One group's gradient reduction; its fields say what is alive until ``finish``."""
 
-    group: "FlatGroup"
-    out: torch.Tensor  # the reduced gradient shard, a view of out_buffer: what the .grad become views of
-    out_buffer: torch.Tensor  # ``out`` and room after it for the replica all-reduce's in-band fingerprint
-    divide_after: int  # what the sum is still divided by once complete (1: it was divided before: _divisors)
+    group: "FlatGroup" = dataclasses.field(repr=False)
+    out: torch.Tensor = dataclasses.field(repr=False)  # the reduced gradient shard, a view of out_buffer: what the .grad become views of
+    out_buffer: torch.Tensor = dataclasses.field(repr=False)  # ``out`` and room after it for the replica all-reduce's in-band fingerprint
+    divide_after: int = 1  # what the sum is still divided by once complete (1: it was divided before: _divisors)
     op: str = ""  # the collective in flight over the shard group ("": none)
     work: Any = None  # its handle (None: none)
     stamp: Optional[Stamp] = None  # its in-band fingerprint (None: none, or recorded for the side exchange)
-    sent: Optional[torch.Tensor] = None  # the packed gradient (and its header room) the collective works on
+    sent: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)  # the packed gradient (and its header room) the collective works on
     frees_sent: bool = False  # finish frees ``sent`` (reduce-scatter; ZeRO-1's is the output itself)
     final: bool = True  # the group gets no other gradient in this backward (Unit.post_backward says)
 
