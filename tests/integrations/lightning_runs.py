@@ -119,6 +119,26 @@ class Net(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
 
 
+class TiedNet(L.LightningModule):
+    """Input and output projections that share one weight, as a language model's embedding and head do."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM, bias=False)
+        self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
+        self.out = nn.Linear(DIM, DIM, bias=False)
+        self.out.weight = self.inp.weight
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self(batch[0]).pow(2).mean(), sync_dist=True)
+
+
 def trainer_strategy(kind: str):
     if kind == "ddp":
         return DDPStrategy(cluster_environment=ProcessGroupEnvironment())
@@ -155,7 +175,8 @@ def evaluate(kind: str, world_size: int, root: Path, model: Net, ckpt_path=None)
 def trainer_runs(rank: int, world_size: int, root: str) -> dict:
     """The Trainer at ``world_size``: DDP's fit and ours (gradient accumulation, norm clipping, validation
     inside fit), checkpoints of both, ours resumed after the first epoch, validate / test / predict outside fit
-    on the fitted model and on a fresh model with ckpt_path, ModelCheckpoint's pruning, precision plugins."""
+    on the fitted model and on a fresh model with ckpt_path, a model with tied weights saved, checkpoints of other
+    kinds, ModelCheckpoint's pruning, precision plugins."""
     root = Path(root)
     out = {}
     for kind in ("ddp", "shardwise"):
@@ -169,6 +190,10 @@ def trainer_runs(rank: int, world_size: int, root: str) -> dict:
     t.save_checkpoint(root / "epoch1.ckpt")
     resumed, _, val = fit("shardwise", world_size, root, ckpt_path=root / "epoch1.ckpt")
     out["resumed"] = {"record": resumed.record, "first_epoch": model.record, "val_loss": val}
+    L.seed_everything(0, verbose=False)
+    tied = trainer("shardwise", world_size, root)
+    tied.validate(TiedNet(), loader(N_EVAL, 2, world_size), verbose=False)
+    tied.save_checkpoint(root / "tied.ckpt")
     out["other_files"] = other_files(world_size, root)
     out["top_k"] = top_k_checkpoints(root)
     out["precision"] = {precision: {kind: fit(kind, world_size, root, precision=precision)[0].record

@@ -125,6 +125,18 @@ def test_trainer_checkpoint_loads_in_one_process_as_ddps_does(ws):
         p.name for p in ckpt.sidecar_of(root / "shardwise.ckpt").iterdir()], "the file names its one sidecar directory"
 
 
+def test_tied_weights_are_saved_under_each_name():
+    """A weight shared by two modules is whole in the .ckpt under both names (as nn.Module.state_dict gives
+    it), so load_from_checkpoint in one process loads strictly: the weights the model was built with."""
+    _trainer(2)
+    L.seed_everything(0, verbose=False)
+    built = runs.TiedNet().state_dict()
+    loaded = runs.TiedNet.load_from_checkpoint(_root("trainer2") / "tied.ckpt", map_location="cpu")
+    assert loaded.out.weight is loaded.inp.weight
+    saved = torch.load(_root("trainer2") / "tied.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    assert sorted(saved) == sorted(built) and all(torch.equal(saved[k], built[k]) for k in built)
+
+
 @pytest.mark.parametrize("ws", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_trainer_resumes_at_the_same_world_size_bit_for_bit(ws):
     """fit(max_epochs=1), save, then fit(ckpt_path=...) to epoch 2 in a new Trainer with a new model: the same
