@@ -79,7 +79,7 @@ def translate(args: Any, explicit: dict[str, Any]) -> Translation:
                     f"gathers and gradient reductions)")
     for key, value in explicit.items():
         options[key] = value
-        said.append(f"shard_options {key}={_text(value)}")
+        said.append(f"shard_options {key}={_text(value)} (given)")
     return Translation(options, hf_args, said)
 
 
@@ -148,4 +148,6 @@ def _true(value: Any) -> bool:
 def _text(value: Any) -> str:
     if isinstance(value, (set, frozenset, list, tuple)):
         return ",".join(sorted(getattr(v, "__name__", str(v)) for v in value))
+    if isinstance(value, str):
+        return value
     return getattr(value, "__name__", None) or repr(value)

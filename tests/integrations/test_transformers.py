@@ -243,6 +243,24 @@ def _refusals(rank: int, world: int, root: str, model_dir: str) -> dict:
     return out
 
 
+def _fsdp_args(rank: int, world: int, root: str, model_dir: str) -> dict:
+    """TrainingArguments' FSDP settings, as a Trainer user writes them, shard the model as they say, and rank 0
+    prints what each became in one line."""
+    import contextlib
+    import io
+
+    from shardwise.engine.runtime import runtime_of
+    from shardwise.integrations.transformers import ShardwiseTrainer
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer = ShardwiseTrainer(model=model_dir, args=_args(
+            os.path.join(root, f"fsdp-{world}"), fsdp="shard_grad_op auto_wrap", eval_strategy="no",
+            fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}), train_dataset=TokenRows(8))
+    rt = runtime_of(trainer.model)
+    return {"strategy": rt.strategy.value, "units": len(rt.units), "printed": printed.getvalue()}
+
+
 def _importable(name: str) -> bool:
     try:
         __import__(name)
@@ -261,6 +279,7 @@ def _scenarios(rank: int, world: int, root: str, model_dir: str) -> dict:
         "sft": lambda r, w: _sft_vs_ddp(r, w, root, model_dir),
         "qlora": lambda r, w: _qlora(r, w, root, model_dir),
         "refusals": lambda r, w: _refusals(r, w, root, model_dir),
+        "fsdp_args": lambda r, w: _fsdp_args(r, w, root, model_dir),
     }, rank, world)
 
 
@@ -327,6 +346,16 @@ def test_trainer_refuses_ddp_checkpoints_and_model_init_by_name(world, dirs):
         r = scenario(report, "refusals")
         assert "has no shardwise_state/" in r["ddp_checkpoint"], r
         assert r["model_init"].startswith("model_init:"), r
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_trainer_shards_as_fsdp_settings_say_and_says_so_in_one_line_on_rank_0(world, dirs):
+    reports = [scenario(report, "fsdp_args") for report in _report(world, *dirs)]
+    assert all(r["strategy"] == "shard_grad_op" and r["units"] == 3 for r in reports), reports
+    assert reports[0]["printed"] == ("shardwise: fsdp_config reshard_after_forward=False -> strategy shard_grad_op; "
+                                     "transformer_layer_cls_to_wrap LlamaDecoderLayer -> one unit each; units: 2 "
+                                     "LlamaDecoderLayer + the root\n")
+    assert all(r["printed"] == "" for r in reports[1:]), reports
 
 
 def _resume_elsewhere(rank: int, world: int, root: str, model_dir: str, saved_at: int) -> dict:
