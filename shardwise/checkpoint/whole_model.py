@@ -43,7 +43,7 @@ from shardwise.checkpoint.export import INDEX_FILE, SINGLE_FILE, write_weight_fi
 from shardwise.checkpoint.files import unwritable_dir_problem
 from shardwise.checkpoint.format import fsync_dir
 from shardwise.checkpoint.model_index import persistent_buffers
-from shardwise.engine import agree
+from shardwise.engine.checks import agree
 from shardwise.errors import ShardwiseError
 
 PathLike = Union[str, os.PathLike]
@@ -63,7 +63,7 @@ def write_whole_model(model: nn.Module, out: PathLike, *, dtype: Optional[torch.
     Names are those of the unsharded model's ``state_dict()`` (recorded by ``shard()``); a tied parameter
     appears once, under its first name. ``dtype`` casts floating-point tensors (default: the master dtype).
     ``add_files(tmp, written_dtype)``: rank 0 writes the model's other files into the temporary directory."""
-    from shardwise.engine.runtime import runtime_of
+    from shardwise.engine.core.runtime import runtime_of
 
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ShardwiseError(f"{CALL}: max_shard_size={max_shard_bytes!r}: must be a positive number of bytes")
@@ -149,7 +149,7 @@ def _stream(model: nn.Module, rt, groups: list, writer: bool) -> Iterator[tuple[
         if writer:
             yield from _params_of(g, full)
         # Free it now: the engine keeps the handles of its last few collectives, and with them their
-        # tensors (collectives.RETAIN), so dropping our reference alone would not return the memory.
+        # tensors (base/collectives.py: RETAIN), so dropping our reference alone would not return the memory.
         full.untyped_storage().resize_(0)
     if writer:
         yield from persistent_buffers(model, rt)

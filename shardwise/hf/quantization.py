@@ -122,7 +122,7 @@ def num_weights(model: nn.Module) -> int:
     scales count as the weights they encode (each matrix's elements), every other parameter as
     ``shardwise.num_parameters`` counts it (tied ones once; whole, not this rank's piece, once sharded)."""
     from shardwise.engine.logical_shapes import param_info
-    from shardwise.engine.runtime import STATE_ATTR
+    from shardwise.engine.core.runtime import STATE_ATTR
 
     sharded = getattr(model, STATE_ATTR, None) is not None
     quantised = [m for m in model.modules() if isinstance(m, QUANT_MODULE_TYPES)]

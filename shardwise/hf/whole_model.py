@@ -82,7 +82,7 @@ def _shard_bytes(max_shard_size: Union[int, str]) -> int:
 
 def _save_adapter(model: nn.Module, out: Path) -> Optional[list[Path]]:
     """The peft adapter, as ``PeftModel.save_pretrained`` writes it (its ``base_model_name_or_path`` kept)."""
-    from shardwise.engine.runtime import runtime_of
+    from shardwise.engine.core.runtime import runtime_of
 
     rt = runtime_of(model)
     if rt.checker is not None:

@@ -1,5 +1,5 @@
 """Where people already train: shardwise inside the frameworks' own loops, which otherwise wrap the model in
-DDP (refused on a sharded model, engine/wrapper_refusal.py). Each integration makes its framework not wrap:
+DDP (refused on a sharded model, engine/surface/wrapper_refusal.py). Each integration makes its framework not wrap:
 the model is sharded once, handed to the framework as it is, and saved whole through
 ``shardwise.save_whole_model``; optimizer state goes through shardwise's own checkpoints (per rank pieces,
 resharded at any world size).

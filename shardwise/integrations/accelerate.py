@@ -83,6 +83,6 @@ def _refuse_sharding_plugins(accelerator) -> None:
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``shardwise.shard`` was called on ``model``."""
-    from shardwise.engine.runtime import STATE_ATTR
+    from shardwise.engine.core.runtime import STATE_ATTR
 
     return getattr(model, STATE_ATTR, None) is not None

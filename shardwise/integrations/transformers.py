@@ -44,7 +44,7 @@ import torch.nn as nn
 from transformers import Trainer
 
 import shardwise
-from shardwise.engine import agree
+from shardwise.engine.checks import agree
 from shardwise.errors import ShardwiseError
 from shardwise.integrations.accelerate import is_sharded, prepare_model
 from shardwise.integrations.training_args import translate
@@ -232,7 +232,7 @@ def _refuse_unknown_init_kwargs(init_kwargs: dict) -> None:
 def _units_text(model: nn.Module) -> str:
     from collections import Counter
 
-    from shardwise.engine.runtime import runtime_of
+    from shardwise.engine.core.runtime import runtime_of
 
     units = runtime_of(model).units
     kinds = Counter(type(u.plan.module).__name__ for u in units if not u.plan.is_root)

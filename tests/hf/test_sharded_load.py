@@ -33,7 +33,7 @@ def _rss_kib(field: str) -> int:
 def _added_peak_bytes(load) -> tuple[object, int]:
     """(what ``load()`` returns, the most resident memory it added at any moment), from the kernel's peak
     counter reset right before (Linux: /proc/self/clear_refs 5)."""
-    from shardwise.engine.host_memory import release_freed_host_memory
+    from shardwise.engine.base.host_memory import release_freed_host_memory
 
     gc.collect()
     release_freed_host_memory()

@@ -97,7 +97,7 @@ def _split_and_cast(rank: int, root: str) -> dict:
 def _one_group_at_a_time(rank: int, root: str) -> dict:
     """While saving, a gathered flat group's memory is freed before the next one is gathered, on every rank."""
     import shardwise
-    from shardwise.engine.flat_group import FlatGroup
+    from shardwise.engine.core.flat_group import FlatGroup
 
     model = shardwise.shard(_model("llama"), units="auto")
     alive_at_gather, refs = [], []

@@ -249,7 +249,7 @@ def _fsdp_args(rank: int, world: int, root: str, model_dir: str) -> dict:
     import contextlib
     import io
 
-    from shardwise.engine.runtime import runtime_of
+    from shardwise.engine.core.runtime import runtime_of
     from shardwise.integrations.transformers import ShardwiseTrainer
 
     printed = io.StringIO()
