@@ -23,6 +23,12 @@ from hf_dirs import tiny_config
 from parity_utils import CollectiveCounter, run_scenarios, scenario, spawn_once
 
 VOCAB, SEQ, STEPS, ACCUM = 97, 16, 3, 2
+# bf16 autocast on both sides from the same fp32 weights: the losses come out bit for bit. The clipping
+# coefficient does not (the gradient norm sums the ranks' pieces in another order than torch's norm of whole
+# gradients), nor, at 3 ranks, the gradients (summed in another order than DDP's, which bf16 activations
+# downstream round up): the weight updates of 3 AdamW steps measured 1.7e-7 apart at 2 ranks and
+# 5.8e-5 at 3, relative to the update.
+BF16_RTOL = 1e-4
 
 
 def _model():
@@ -65,7 +71,7 @@ def _loop(kind: str, rank: int, world: int, root: str) -> dict:
                 norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 0.5)))
             optimizer.step()
             optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         synced.append(counted.calls["reduce_scatter_into"] > 0)
     hook.remove()
     if kind == "ddp":
@@ -86,7 +92,11 @@ def _against_ddp(rank: int, world: int, root: str) -> dict:
         from transformers import AutoModelForCausalLM
 
         ours, theirs = (load_file(os.path.join(root, k, "model.safetensors")) for k in ("shardwise", "ddp"))
-        out["saved"] = ours.keys() == theirs.keys() and max((ours[k] - theirs[k]).abs().max() for k in ours).item()
+        start = _model().state_dict()
+        out["names"] = ours.keys() == theirs.keys()
+        # what training changed, relative: AdamW moves every weight by about lr, whatever its gradient
+        out["update_rel"] = (sum((ours[k] - theirs[k]).norm() ** 2 for k in theirs) ** 0.5
+                             / sum((theirs[k] - start[k]).norm() ** 2 for k in theirs) ** 0.5).item()
         loaded = AutoModelForCausalLM.from_pretrained(os.path.join(root, "shardwise")).state_dict()
         out["loaded"] = all(torch.equal(loaded[k], ours[k]) for k in ours)
     return out
@@ -134,7 +144,8 @@ def test_accelerate_loop_keeps_autocast_accumulates_locally_and_equals_ddp(world
         # The norm sums the ranks' pieces in another order than torch's norm of whole gradients.
         assert r["norm_rel"] <= 1e-6 and min(r["ours"]["norms"]) > 0.5, r
         if rank == 0:
-            assert r["saved"] is not False and r["saved"] <= 1e-6 and r["loaded"], r
+            assert r["names"] and r["loaded"], r
+            assert r["update_rel"] <= BF16_RTOL, r
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -3,9 +3,11 @@ the same Trainer's own DDP run on the same data (gloo, CPU).
 
 - ShardwiseTrainer from a model directory, fp32, gradient accumulation and clipping active: losses, gradient
   norms, evaluation and predictions, the saved model (``from_pretrained`` in one process) and every
-  checkpoint's model bitwise DDP's; ``resume_from_checkpoint`` equal to the run it continues, at the same
-  world size and at another one (the DDP run resumed there from its own checkpoint).
-- peft LoRA (``peft_config``): the saved adapter bitwise DDP's (``get_peft_model`` after the same seed).
+  checkpoint's model DDP's (bit for bit at 2 ranks, to 1e-6 at 3); ``resume_from_checkpoint`` equal to the
+  run it continues, at the same world size and at another one (the DDP run resumed there from its own
+  checkpoint).
+- peft LoRA (``peft_config``, SGD with momentum): the saved adapter DDP's to 1e-6 (``get_peft_model`` after the
+  same seed: the same initial adapters).
 - TRL's SFTTrainer with its defaults (bf16 autocast, gradient checkpointing, lr 2e-5) behind the mixin: within
   BF16_RTOL of DDP's (losses and weight updates).
 - QLoRA: ``BitsAndBytesConfig(load_in_4bit=True)`` becomes shardwise's 4-bit base (bitsandbytes never imported).
@@ -115,25 +117,44 @@ def _same_files(a: str, b: str) -> bool:
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
+def _files_rel(a: str, b: str) -> float:
+    """The largest relative difference, tensor by tensor, between the safetensors of two directories (1.0 when
+    they do not hold the same names)."""
+    x, y = _tensors(a), _tensors(b)
+    if x.keys() != y.keys():
+        return 1.0
+    return max(((x[k].double() - y[k].double()).norm() / y[k].double().norm()).item() for k in y)
+
+
 def _trainer_vs_ddp(rank: int, world: int, root: str, model_dir: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     runs = {kind: _train(kind, root, model_dir, f"{kind}-{world}") for kind in ("ddp", "shardwise")}
     resumed = _train("shardwise", root, model_dir, f"shardwise-{world}-resumed",
                      resume=os.path.join(root, f"shardwise-{world}", f"checkpoint-{SAVE_AT}"))
-    out = {"wrappers": (runs["ddp"]["wrapper"], runs["shardwise"]["wrapper"]),
-           "history": runs["ddp"]["history"] == runs["shardwise"]["history"],
-           "eval": runs["ddp"]["eval"] == runs["shardwise"]["eval"],
-           "predictions": torch.equal(runs["ddp"]["predictions"], runs["shardwise"]["predictions"]),
-           "resumed": resumed["history"] == runs["shardwise"]["history"]}  # the first steps from trainer_state.json
+    ddp, ours = runs["ddp"], runs["shardwise"]
+    out = {"wrappers": (ddp["wrapper"], ours["wrapper"]),
+           "history_rel": _history_rel(ddp["history"], ours["history"]),
+           "eval_rel": abs(ddp["eval"] - ours["eval"]) / ddp["eval"],
+           "predictions_rel": ((ddp["predictions"] - ours["predictions"]).abs().max()
+                               / ddp["predictions"].abs().max()).item(),
+           "resumed": resumed["history"] == ours["history"]}  # the first steps from trainer_state.json
     if rank == 0:
-        ours, theirs = (os.path.join(root, f"{kind}-{world}") for kind in ("shardwise", "ddp"))
-        out["saved"] = _same_files(f"{ours}/final", f"{theirs}/final") and _same_files(
-            f"{ours}/checkpoint-{SAVE_AT}", f"{theirs}/checkpoint-{SAVE_AT}")
-        a, b = (AutoModelForCausalLM.from_pretrained(f"{d}/final").state_dict() for d in (ours, theirs))
-        out["loaded"] = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-        out["files"] = sorted(os.listdir(f"{ours}/checkpoint-{SAVE_AT}"))
+        mine, theirs = (os.path.join(root, f"{kind}-{world}") for kind in ("shardwise", "ddp"))
+        out["saved_rel"] = max(_files_rel(f"{mine}/final", f"{theirs}/final"),
+                               _files_rel(f"{mine}/checkpoint-{SAVE_AT}", f"{theirs}/checkpoint-{SAVE_AT}"))
+        loaded = AutoModelForCausalLM.from_pretrained(f"{mine}/final").state_dict()
+        saved = _tensors(f"{mine}/final")
+        out["loaded"] = loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+        out["files"] = sorted(os.listdir(f"{mine}/checkpoint-{SAVE_AT}"))
     return out
+
+
+def _history_rel(a: list, b: list) -> float:
+    """The largest relative difference of two histories' losses, gradient norms and eval losses (their steps
+    equal)."""
+    assert [h["step"] for h in a] == [h["step"] for h in b], (a, b)
+    return max(abs(x[k] - y[k]) / abs(x[k]) for x, y in zip(a, b) for k in ("loss", "grad_norm", "eval_loss") if k in x)
 
 
 def _lora_config():
@@ -142,23 +163,16 @@ def _lora_config():
     return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM")
 
 
-def _history_rel(a: list, b: list) -> float:
-    """The largest relative difference of two histories' losses and gradient norms (their steps equal)."""
-    assert [h["step"] for h in a] == [h["step"] for h in b], (a, b)
-    return max(abs(x[k] - y[k]) / abs(x[k]) for x, y in zip(a, b) for k in ("loss", "grad_norm", "eval_loss") if k in x)
-
-
 def _lora_vs_ddp(rank: int, world: int, root: str, model_dir: str) -> dict:
     runs = {kind: _train(kind, root, model_dir, f"lora-{kind}-{world}", peft_config=_lora_config(),
-                         eval_strategy="no", max_grad_norm=0.1, optim="sgd", optim_args="momentum=0.9",
+                         eval_strategy="no", max_grad_norm=0.02, optim="sgd", optim_args="momentum=0.9",
                          learning_rate=0.5) for kind in ("ddp", "shardwise")}
     out = {"history_rel": _history_rel(runs["ddp"]["history"], runs["shardwise"]["history"]),
            "wrappers": (runs["ddp"]["wrapper"], runs["shardwise"]["wrapper"]),
-           "clipped": min(h["grad_norm"] for h in runs["ddp"]["history"]) > 0.1}
+           "clipped": min(h["grad_norm"] for h in runs["ddp"]["history"]) > 0.02}
     if rank == 0:
         ours, theirs = (os.path.join(root, f"lora-{kind}-{world}", "final") for kind in ("shardwise", "ddp"))
-        x, y = _tensors(ours), _tensors(theirs)
-        out["adapter_rel"] = max(((x[k] - y[k]).norm() / y[k].norm()).item() for k in y) if x.keys() == y.keys() else 1.0
+        out["adapter_rel"] = _files_rel(ours, theirs)
         out["files"] = sorted(n for n in os.listdir(ours) if n.startswith("adapter"))
     return out
 
@@ -297,23 +311,29 @@ def _report(world: int, root: str, model_dir: str) -> list:
 WORLDS = [2, pytest.param(3, marks=pytest.mark.slow)]
 
 
+# At 2 ranks every sum of the ranks' gradients has two terms and one order: the runs agree bit for bit. At 3
+# DDP's bucketed all-reduce and the reduce-scatter add the three in other orders.
+FP32_RTOL = {2: 0.0, 3: 1e-6}
+
+
 @pytest.mark.parametrize("world", WORLDS)
-def test_trainer_is_ddps_trainer_bitwise_and_resumes(world, dirs):
+def test_trainer_is_ddps_trainer_and_resumes(world, dirs):
     for rank, report in enumerate(_report(world, *dirs)):
         r = scenario(report, "trainer")
         assert r["wrappers"] == ("DistributedDataParallel", "LlamaForCausalLM"), "DDP's run is DDP; ours unwrapped"
-        assert r["history"], "losses, gradient norms (clipped at 0.5, accumulating 2) and eval losses equal DDP's"
-        assert r["eval"] and r["predictions"], "evaluate() and predict() equal DDP's"
+        # losses, gradient norms (clipped at 0.5, accumulating 2), eval losses; evaluate(), predict()
+        assert max(r["history_rel"], r["eval_rel"], r["predictions_rel"]) <= FP32_RTOL[world], r
         assert r["resumed"], "resume_from_checkpoint continues exactly as the uninterrupted run"
         if rank == 0:
-            assert r["saved"] and r["loaded"], "save_model and the checkpoint's model equal DDP's, in from_pretrained"
+            assert r["saved_rel"] <= FP32_RTOL[world], "save_model and the checkpoint's model are DDP's"
+            assert r["loaded"], "from_pretrained in one process loads what was saved"
             assert "shardwise_state" in r["files"] and "optimizer.pt" not in r["files"], r["files"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_trainer_lora_adapter_is_ddps(world, dirs):
     r = scenario(_report(world, *dirs)[0], "lora")
-    assert r["clipped"], "every step clips (max_grad_norm 0.1)"
+    assert r["clipped"], "every step clips (max_grad_norm 0.02)"
     assert r["wrappers"] == ("DistributedDataParallel", "PeftModelForCausalLM"), r
     # SGD with momentum (the plain run above is AdamW). The losses come out bitwise; the gradient norm sums
     # the ranks' pieces in another order than torch's norm of whole gradients (1e-7 apart), and the clipping
