@@ -8,23 +8,23 @@ Order of events (every rank calls ``write_whole_model``)::
     rank 0      check OUT can be written, create a temporary directory beside it
                 ---- agree ----
     all ranks   flat group by flat group, in model order: join its all-gather (master dtype); rank 0 writes
-                each of its parameters into the safetensors file being written (cast to ``dtype`` one tensor
-                at a time), then the gathered group is dropped
+                each of its parameters into the safetensors file being written (copied to the CPU, cast to
+                ``dtype``, one tensor at a time), then every rank frees the gathered group
     rank 0      persistent buffers (every rank holds them whole; rank 0's are written), the caller's other
                 files (``add_files``: config.json ...), then the directory is published (below)
                 ---- agree ----
 
 So no rank ever holds more than one flat group's whole parameters (one unit's parameters of one dtype),
-plus, on rank 0, the one tensor being cast. Files are split as Hugging Face splits them: greedily, in that
+plus, on rank 0, a CPU copy of the one tensor being written. Files are split as Hugging Face splits them: greedily, in that
 order, at most ``max_shard_bytes`` each (a larger tensor alone), ``model-0000k-of-0000n.safetensors`` plus
 ``model.safetensors.index.json`` when there are several, else one ``model.safetensors``.
 
 Publishing is atomic where it can be: a new OUT appears by one rename of the finished temporary directory;
-into an existing OUT (a Trainer's output directory, which holds other things) each file is renamed into
-place, and weight files of an earlier save that this one does not have (another split) are removed, as
-``save_pretrained`` does. A failure anywhere (a full disk on rank 0) is one ShardwiseError on every rank
-naming the file; rank 0 still joins the remaining gathers first, removes the temporary directory, and leaves
-OUT as it was.
+into an existing OUT (a Trainer's output directory, which holds other things) each finished file is renamed
+into place, the loading entry points (index, single file) last, and weight files of an earlier save that
+this one does not have (another split) are removed, as ``save_pretrained`` does. A failure while writing (a
+full disk on rank 0) is one ShardwiseError on every rank naming the file; rank 0 still joins the remaining
+gathers first, removes the temporary directory, and leaves OUT as it was.
 """
 
 from __future__ import annotations

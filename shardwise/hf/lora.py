@@ -90,6 +90,7 @@ def apply_peft_config(model: nn.Module, config, what: str = "peft_config target_
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta:
         _refuse_base_dependent_init(config)
+    real_before = {id(p) for p in model.parameters() if not p.is_meta}
     try:
         with quiet_peft(), warnings.catch_warnings(), _cpu_stand_ins(model) if on_meta else contextlib.nullcontext():
             if quantised:  # peft: "Unsupported layer type ... proceed at your own risk", once per QuantLinear
@@ -98,7 +99,7 @@ def apply_peft_config(model: nn.Module, config, what: str = "peft_config target_
     except ValueError as e:  # peft's "Target modules {...} not found in the base model"
         raise ShardwiseError(f"{what}: {str(e).splitlines()[0]}; {_module_names_hint(model)}") from None
     if on_meta:
-        _keep_drawn_adapters(peft_model)
+        _keep_drawn_adapters(peft_model, real_before)
     return peft_model
 
 
@@ -107,12 +108,17 @@ def apply_peft_config(model: nn.Module, config, what: str = "peft_config target_
 _DRAWN: "weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
 
-def _keep_drawn_adapters(model: nn.Module) -> None:
+def _keep_drawn_adapters(model: nn.Module, real_before: set[int]) -> None:
+    """Keep the values of the parameters peft created for real (beside the stand-ins) and put their modules
+    on meta with the rest of the model; parameters that were real before stay as they are."""
     for module in model.modules():
-        real = {n: p.detach() for n, p in module._parameters.items() if p is not None and not p.is_meta}
-        if real:
-            _DRAWN[module] = real
-            module.to("meta")
+        drawn = {n: p.detach() for n, p in module._parameters.items()
+                 if p is not None and not p.is_meta and id(p) not in real_before}
+        if drawn:
+            _DRAWN[module] = drawn
+            for n in drawn:
+                module._parameters[n] = nn.Parameter(module._parameters[n].to("meta"),
+                                                     requires_grad=module._parameters[n].requires_grad)
 
 
 @contextlib.contextmanager
@@ -186,8 +192,9 @@ def _adapter_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str, object]
 def lora_param_init_fn(model: nn.Module, base_init: Callable[[nn.Module], None] | None
                        ) -> Callable[[nn.Module], None]:
     """``param_init_fn`` for ``shard`` on a meta-built peft model: ``base_init`` (the model's own, e.g.
-    ``shardwise.engine.hf_init``), then peft's init for adapter modules. ``reset_lora_parameters`` writes A and B of
-    the adapter; whichever of them is still on meta costs nothing."""
+    ``shardwise.engine.hf_init``), then the adapters: the values peft drew for them when ``apply_peft_config``
+    wrapped the meta model, else peft's init (``reset_lora_parameters`` writes A and B of the adapter;
+    whichever of them is still on meta costs nothing)."""
     owners = _adapter_owners(model)
     # Adapters peft initialised for real beside the meta base (apply_peft_config): their values, as drawn.
     drawn = {id(m): _DRAWN.pop(m) for m in list(model.modules()) if m in _DRAWN}
@@ -199,7 +206,7 @@ def lora_param_init_fn(model: nn.Module, base_init: Callable[[nn.Module], None] 
         elif callable(getattr(module, "reset_parameters", None)):
             module.reset_parameters()
         owner = owners.get(id(module))
-        if owner is not None and drawn.get(id(module)):
+        if id(module) in drawn:
             for n, value in drawn[id(module)].items():
                 module._parameters[n].copy_(value)
         elif owner is not None:

@@ -29,6 +29,7 @@ VOCAB, SEQ, STEPS, ACCUM = 97, 16, 3, 2
 # downstream round up): the weight updates of 3 AdamW steps measured 1.7e-7 apart at 2 ranks and
 # 5.8e-5 at 3, relative to the update.
 BF16_RTOL = 1e-4
+WORLDS = [2, pytest.param(3, marks=pytest.mark.slow)]
 
 
 def _model():
@@ -120,17 +121,15 @@ def _scenarios(rank: int, world: int, root: str) -> dict:
                           "refusals": lambda r, w: _refusals(r, w, root)}, rank, world)
 
 
-@spawn_once
-def _report(world: int, root: str) -> list:
-    return run_distributed(_scenarios, world, root, timeout_s=120)
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("accelerate"))
 
 
-WORLDS = [2, pytest.param(3, marks=pytest.mark.slow)]
+@spawn_once
+def _report(world: int, root: str) -> list:
+    """Both scenarios in one spawn per world size."""
+    return run_distributed(_scenarios, world, root, timeout_s=120)
 
 
 @pytest.mark.parametrize("world", WORLDS)
