@@ -36,7 +36,8 @@ PathLike = Union[str, os.PathLike]
 def shard_and_prepare(accelerator, model: nn.Module, **shard_options: Any) -> nn.Module:
     """``shardwise.shard(model, **shard_options)`` (on ``accelerator.device`` unless ``device=`` is given;
     skipped for a model that is already sharded, which then takes no options), then ``prepare_model``.
-    Every rank calls it. Returns the model (the same object)."""
+    Every rank calls it. Returns what ``prepare_model`` returns: the model itself, unless Accelerate
+    compiles it."""
     if not is_sharded(model):
         shard_options.setdefault("device", accelerator.device)
         shardwise.shard(model, **shard_options)
@@ -65,9 +66,9 @@ def prepare_model(accelerator, model: nn.Module) -> nn.Module:
 def save_model(accelerator, model: nn.Module, save_directory: PathLike, *, max_shard_size: Union[int, str] = "10GB",
                dtype: Optional[torch.dtype] = None, processing_class: Any = None) -> Optional[list[Path]]:
     """What ``accelerator.save_model(model, save_directory)`` writes for an unsharded model (the whole
-    model as safetensors, ``config.json`` for a transformers model, the adapter for a peft model), from a
-    sharded one: ``shardwise.save_whole_model``. Every rank calls it; rank 0 writes. Returns the files
-    written on rank 0, None elsewhere."""
+    model as safetensors; a peft model's adapter), from a sharded one, with a transformers model's config
+    beside it so that ``from_pretrained(save_directory)`` loads it: ``shardwise.save_whole_model``. Every
+    rank calls it; rank 0 writes. Returns the files written on rank 0, None elsewhere."""
     return shardwise.save_whole_model(accelerator.unwrap_model(model), save_directory, dtype=dtype,
                                       max_shard_size=max_shard_size, processing_class=processing_class)
 

@@ -40,6 +40,8 @@ class Translation:
     shard_options: dict[str, Any]
     hf_args: Any  # the TrainingArguments the Trainer gets: FSDP settings removed
     said: list[str] = field(default_factory=list)  # "setting -> what it became", for the one line
+    fsdp_given: bool = False  # the arguments had FSDP settings
+    explicit: dict[str, Any] = field(default_factory=dict)  # the shard_options given
 
     def line(self, units: str) -> str:
         """The one line rank 0 prints: what each setting became, and the units the model got."""
@@ -80,7 +82,7 @@ def translate(args: Any, explicit: dict[str, Any]) -> Translation:
     for key, value in explicit.items():
         options[key] = value
         said.append(f"shard_options {key}={_text(value)} (given)")
-    return Translation(options, hf_args, said)
+    return Translation(options, hf_args, said, bool(args is not None and args.fsdp), dict(explicit))
 
 
 def _words(fsdp: Any) -> str | None:

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from transformers import Trainer
 
@@ -68,27 +67,25 @@ class ShardwiseTrainerMixin:
                                  "directory, as model=")
         translation = translate(args, dict(shard_options or {}))
         self._shardwise_base = None  # (directory, QuantSettings) of a model read from a directory
-        model = self._sharded_model(model, args, translation.shard_options, peft_config, quantization_config)
+        model = self._shardwise_model(model, args, translation, peft_config, quantization_config)
         for name in ("peft_config", "quantization_config"):  # applied above; SFTTrainer must not apply them again
             if name in inspect.signature(super().__init__).parameters:
                 kwargs[name] = None
         super().__init__(model, translation.hf_args, *more, **kwargs)
-        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
-            raise ShardwiseError("the Accelerate configuration in this environment enables FSDP or DeepSpeed "
-                                 "(accelerate config / ACCELERATE_USE_FSDP / ACCELERATE_USE_DEEPSPEED), which would "
-                                 "shard the model again: launch with a plain multi-process configuration")
-        prepare_model(self.accelerator, self.model)
+        prepare_model(self.accelerator, self.model)  # refuses an Accelerate set up for FSDP or DeepSpeed
         if agree.rank() == 0:
             print(translation.line(_units_text(self.model)), flush=True)
 
     # ---- the model ---------------------------------------------------------------------------------------
 
-    def _sharded_model(self, model: Any, args: Any, options: dict, peft_config: Any, quantization_config: Any):
+    def _shardwise_model(self, model: Any, args: Any, translation, peft_config: Any, quantization_config: Any):
+        """The sharded model the Trainer gets (see the module docstring)."""
         from transformers import set_seed
 
         from shardwise.hf.lora import apply_peft_config
         from shardwise.hf.sharded_load import load_sharded, quant_settings_of, units_of
 
+        options = translation.shard_options
         init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})  # TRL's SFTConfig
         if quantization_config is None:
             quantization_config = init_kwargs.pop("quantization_config", None)
@@ -114,8 +111,11 @@ class ShardwiseTrainerMixin:
             raise ShardwiseError("quantization_config: applies when the model is given as its directory (the 4-bit "
                                  "base is built while loading); this model is already built")
         if is_sharded(model):
-            if peft_config is not None:
-                raise ShardwiseError("peft_config: this model is already sharded; apply LoRA before shardwise.shard()")
+            given = [name for name, value in (("peft_config", peft_config), ("args.fsdp", translation.fsdp_given),
+                                              ("shard_options", translation.explicit)) if value]
+            if given:
+                raise ShardwiseError(f"{', '.join(given)}: this model is already sharded, and would not follow them; "
+                                     f"pass the model unsharded (or its directory), or drop them")
             return model
         if peft_config is not None:
             model = apply_peft_config(model, peft_config)

@@ -151,3 +151,17 @@ def test_accelerate_loop_keeps_autocast_accumulates_locally_and_equals_ddp(world
 def test_accelerate_prepare_model_refuses_an_unsharded_model(world, root):
     r = scenario(_report(world, f"{root}/{world}")[0], "refusals")
     assert r["unsharded"].startswith("prepare_model: LlamaForCausalLM is not sharded"), r
+
+
+def test_an_accelerator_set_up_for_fsdp_is_refused_by_name():
+    """An Accelerate configuration that enables FSDP (accelerate config, ACCELERATE_USE_FSDP) would shard again."""
+    import types
+
+    from accelerate.utils import DistributedType
+
+    from shardwise.errors import ShardwiseError
+    from shardwise.integrations.accelerate import prepare_model
+
+    with pytest.raises(ShardwiseError, match=r"^this Accelerator is configured for FSDP \(accelerate config or "
+                                             r"ACCELERATE_USE_FSDP"):
+        prepare_model(types.SimpleNamespace(distributed_type=DistributedType.FSDP), torch.nn.Linear(2, 2))

@@ -239,7 +239,8 @@ def _qlora(rank: int, world: int, root: str, model_dir: str) -> dict:
 
 
 def _refusals(rank: int, world: int, root: str, model_dir: str) -> dict:
-    """A DDP Trainer checkpoint to resume from, and model_init, are refused by name on every rank."""
+    """A DDP Trainer checkpoint to resume from, model_init, and FSDP settings for a model sharded already are
+    refused by name on every rank."""
     from shardwise.errors import ShardwiseError
     from shardwise.integrations.transformers import ShardwiseTrainer
 
@@ -254,6 +255,13 @@ def _refusals(rank: int, world: int, root: str, model_dir: str) -> dict:
         ShardwiseTrainer(model_init=lambda: None, args=_args(os.path.join(root, f"refused-{world}")))
     except ShardwiseError as e:
         out["model_init"] = str(e)
+    import shardwise
+
+    try:
+        ShardwiseTrainer(model=shardwise.shard(_ddp_model(model_dir)), train_dataset=TokenRows(8),
+                         args=_args(os.path.join(root, f"refused-{world}"), fsdp="full_shard", eval_strategy="no"))
+    except ShardwiseError as e:
+        out["sharded_and_fsdp"] = str(e)
     return out
 
 
@@ -366,6 +374,7 @@ def test_trainer_refuses_ddp_checkpoints_and_model_init_by_name(world, dirs):
         r = scenario(report, "refusals")
         assert "has no shardwise_state/" in r["ddp_checkpoint"], r
         assert r["model_init"].startswith("model_init:"), r
+        assert r["sharded_and_fsdp"].startswith("args.fsdp: this model is already sharded"), r
 
 
 @pytest.mark.parametrize("world", WORLDS)
