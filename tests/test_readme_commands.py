@@ -317,3 +317,6 @@ def test_setup_lines_install_what_the_readme_and_the_tests_use():
     assert any('.[hf]' in line for line in setup), "the README installs the fine-tuning extra"
     assert set(extras["lightning"]) <= set(extras["test"]), "the tests run the Lightning version users install"
     assert any('.[lightning]' in line for line in setup), "the README installs the Lightning extra"
+    for framework in ("hf-trainer", "accelerate"):  # the integrations' extras, tested at the test extra's versions
+        assert any(f'.[{framework}]' in line for line in setup), framework
+        assert names[framework] <= names["test"], framework

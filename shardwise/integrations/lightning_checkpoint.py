@@ -71,9 +71,10 @@ def new_token() -> str:
 def whole_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every rank calls it; rank 0 gets ``{name: full CPU tensor}`` of the whole model, the others ``{}``.
 
-    The one whole-model save path of both strategies. TODO(integ25): switch to ``shardwise.save_whole_model``
-    (the streamed whole-model save written for the Hugging Face integrations) once it is on main, so that
-    every integration writes whole models one way."""
+    Lightning's checkpoint is one ``torch.save``'d dict whose "state_dict" ``load_from_checkpoint`` reads, so
+    the whole model goes into it as the state dict the engine defines for a sharded model
+    (``shardwise.full_state_dict``: rank 0 holds every whole tensor on the CPU, as a DDP checkpoint does),
+    not through ``save_whole_model``, which writes a model directory of safetensors files."""
     return shardwise.full_state_dict(model)
 
 
