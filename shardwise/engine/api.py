@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise.engine.base import device as devices
-from shardwise.engine import materialize
+from shardwise.engine import initial_weights
 from shardwise.engine.surface import optimizer_guard, state_dict_stamps
 from shardwise.engine.surface.grad_sink import PieceGradSink
 from shardwise.engine.surface.wrapper_refusal import refuse_wrappers
@@ -36,7 +36,7 @@ def shard(
     mixed_precision: Optional[MixedPrecision] = None,
     offload: Optional[CPUOffload] = None,
     *,
-    sync_module_states: bool = False,
+    sync_module_states: Optional[bool] = None,
     param_init_fn: Optional[Callable[[nn.Module], None]] = None,
     device: Optional[Union[str, torch.device]] = None,
     prefetch: bool = True,
@@ -57,9 +57,12 @@ def shard(
         mesh: a 1-D ``DeviceMesh``, or 2-D ``("replicate", "shard")`` for the hybrid strategies.
         mixed_precision: gather/compute dtype and gradient-reduction dtype; masters stay in their dtype.
         offload: ``CPUOffload()`` keeps shards, gradients and the optimizer step on the CPU.
-        sync_module_states: take rank 0's parameters and buffers (other ranks may be on the meta device).
+        sync_module_states: ``True`` takes rank 0's parameters and buffers (other ranks may be on the meta
+            device). Not given, every rank's initial weights are compared (one checksum per tensor, one small
+            all-gather) and rank 0's are taken where they differ, as DistributedDataParallel does, with a
+            warning; ``False`` refuses ranks that differ instead (initial_weights.py).
         param_init_fn: initialises a module's own parameters when the model is on the meta device
-            (default: ``module.reset_parameters()``).
+            (default: ``module.reset_parameters()``); every rank runs it from rank 0's RNG state.
         device: compute device; default: the parameters' accelerator, else ``cuda:<current>`` when the
             process group moves CUDA tensors over NCCL, else CPU (``shardwise.engine.base.device.compute_device``).
         prefetch: start the next unit's all-gather before the current one computes.
@@ -84,7 +87,6 @@ def shard(
     mp = mixed_precision or MixedPrecision()
     pgs = resolve_groups(strategy, mesh)
     compute_device = _resolve_device(model, device, pgs)
-    is_meta = any(p.is_meta for p in model.parameters())
     plan = build_plan(model, units, pgs.shard_size)
     state_dict_keys = list(model.state_dict(keep_vars=True).keys())
     transfers = OffloadTransfers(compute_device, offload) if offload is not None else None
@@ -98,9 +100,11 @@ def shard(
                           checker=runtime.checker, ids=(ui, gi))
         for ui, up in enumerate(plan.units) for gi, gp in enumerate(up.groups)}
     warn_if_backward_inputs_unseen()  # a torch that cannot show us backward(inputs=...) says so once
-    _fill(model, plan, list(flat_groups.values()), compute_device, sync_module_states, is_meta, param_init_fn)
-    if runtime.checker is not None:
+    if runtime.checker is not None:  # (first: the comparison of initial weights has the plan's size)
         check_same_plan(_describe_plan(plan, strategy, pgs), _world_if_many())
+    groups = list(flat_groups.values())
+    initial_weights.fill(model, groups, compute_device, sync_module_states, param_init_fn, runtime.checker)
+    _retire_originals(groups)
     runtime.units = [Unit(up, [flat_groups[id(gp)] for gp in up.groups], runtime) for up in plan.units]
     _install_hooks(model, runtime, activation_checkpointing)
     refuse_wrappers(model)  # DDP (Accelerate's prepare), fully_shard would redo the sharding on the pieces
@@ -112,23 +116,10 @@ def shard(
     return model
 
 
-def _fill(model: nn.Module, plan, groups: list[FlatGroup], device: torch.device, sync_module_states: bool,
-          is_meta: bool, param_init_fn) -> None:
-    """Fill every shard (rank 0's values, a meta init, or this rank's slice of the eager parameters), move
-    buffers to the compute device, and retire the original parameter objects: their memory is released, and
-    an optimizer that still holds them (built before shard) is caught at its first step instead of silently
+def _retire_originals(groups: list[FlatGroup]) -> None:
+    """Retire the original parameter objects once the shards are filled: their memory is released, and an
+    optimizer that still holds them (built before shard) is caught at its first step instead of silently
     doing nothing."""
-    if sync_module_states:
-        materialize.fill_from_rank0(model, groups, device)
-    elif is_meta:
-        materialize.fill_from_meta(model, groups, device, param_init_fn)
-    else:
-        materialize.fill_from_full_params(groups)
-    if not sync_module_states:
-        for mod in model.modules():
-            for n, b in list(mod._buffers.items()):
-                if b is not None and b.device != device and not b.is_meta:
-                    mod._buffers[n] = b.to(device)
     for g in groups:
         for spec, shard_param in zip(g.plan.params, g.shard_params):
             old = spec.refs[0].module._parameters[spec.refs[0].name]
