@@ -6,7 +6,7 @@ down only (tests/test_layering.py)::
     user code sees of parameters and gradients), and the loose modules here (shard(), clipping, state dicts)
 
 Reading order of one training step (full_shard, the default: checks on, no offload, a model with buffers;
-forward, backward, ``shardwise.clip_grad_norm_``, ``optimizer.step()``). The step enters these 22 files
+forward, backward, ``shardwise.clip_grad_norm_``, ``optimizer.step()``). The step enters these 23 files
 (tests/engine/test_reading_order.py traces one and holds this list to it):
 
  1. ``base/plan.py``            units -> flat groups (unit x dtype x requires_grad), offsets, padding: pure layout
@@ -33,6 +33,8 @@ forward, backward, ``shardwise.clip_grad_norm_``, ``optimizer.step()``). The ste
 20. ``surface/optimizer_guard.py`` the optimizer step hooks
 21. ``buffer_broadcast.py``     rank 0's buffers before each forward
 22. ``grad_norm.py``            ``clip_grad_norm_``
+23. ``ddp_idioms.py``           the root model's attribute lookups (``model.module`` is a named error; DDP's
+                                ``no_sync()`` and ``require_backward_grad_sync`` on the model)
 
 ``api.py`` builds all of it (``shard()``); docs/ARCHITECTURE.md draws the step and lists every file.
 """

@@ -336,6 +336,8 @@ class FlatGroup:
             dst = flat.narrow(0, spec.offset, spec.numel)
             if g is None:
                 dst.zero_()  # parameter unused in this forward: it contributes zero
+            elif g.layout != torch.strided:
+                dst.copy_(g.to_dense().reshape(-1))  # nn.Embedding(sparse=True): reduced (and handed out) dense
             else:
                 dst.copy_(g.reshape(-1))
         flat.narrow(0, self.plan.numel, self.plan.padded_numel - self.plan.numel).zero_()
