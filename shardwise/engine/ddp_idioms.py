@@ -25,6 +25,7 @@ from typing import Iterator
 
 import torch.nn as nn
 
+from shardwise.engine.core.copy_refusal import refuse_deepcopy, refuse_pickle
 from shardwise.engine.core.runtime import runtime_of
 from shardwise.errors import ShardwiseError
 
@@ -93,6 +94,9 @@ def install(model: nn.Module) -> None:
                    if not name.startswith("__") and name not in own}
         if "module" not in own:
             members["__getattr__"] = _getattr_naming_module(cls.__getattr__)
-        members.update(__module__=cls.__module__, __qualname__=cls.__qualname__, __doc__=cls.__doc__)
+        # torch.save(model) / copy.deepcopy(model) meet the class first now (pickle would not find this one
+        # under the class's name): refused by name, as at the runtime they reach otherwise.
+        members.update(__module__=cls.__module__, __qualname__=cls.__qualname__, __doc__=cls.__doc__,
+                       __reduce_ex__=refuse_pickle, __deepcopy__=refuse_deepcopy)
         _SUBCLASSES[cls] = type(cls.__name__, (cls,), members)
     model.__class__ = _SUBCLASSES[cls]
