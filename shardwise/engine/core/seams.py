@@ -46,7 +46,9 @@ Every assignment of a shard gradient goes through ``GradSink.set_grad`` and ever
 ``GradSink.add_grad``: the one writer of shard gradients. No gradient means ``p.grad is None``, as in one
 process: a reduction hands every trainable parameter its piece (zeros where no rank used it), and
 ``end_backward`` drops again the gradients the hand-outs started (since the last synced backward) for
-parameters no rank used; one that held a gradient before keeps it unchanged (zeros were added). The defaults here are what a model with no
+parameters no rank used; one that held a gradient before keeps it unchanged (zeros were added).
+
+The defaults here are what a model with no
 surface gets: plain ``nn.Parameter`` objects over the aliases and ``.grad`` views of the reduced shard. The
 surface's (``engine/surface/shard_param.py``, ``surface/grad_sink.py``) make parameters and gradients
 pieces that know the whole, run tensor hooks and post-accumulate-grad hooks, and take gradients that reach
