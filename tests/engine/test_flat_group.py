@@ -169,18 +169,18 @@ def test_without_sharding_the_gathered_buffer_is_the_shard():
 def _kept_copy_agreement(strategy: str) -> set:
     """ZeRO-1/2 add, at every top-level forward, the model-wide agreement on whether a kept copy is stale
     (runtime.py, [Note: one path decides the shards were written]): one flag per kept group, all-reduced,
-    after the fingerprint exchange that checks it (3 int64 per rank)."""
+    after the fingerprint exchange that checks it (4 int64 per rank)."""
     if strategy not in ("shard_optim_grad", "shard_optim"):
         return set()
-    return {("all_gather_into", 2 * 3, "torch.int64"), ("all_reduce_sum", len(GROUP_NUMELS), "torch.float32")}
+    return {("all_gather_into", 2 * 4, "torch.int64"), ("all_reduce_sum", len(GROUP_NUMELS), "torch.float32")}
 
 
 def _end_of_backward_exchange(checked: bool = True) -> set:
     """Once per synced backward the ranks OR which parameters got a gradient (core/grad_usage.py): one int64
-    word (the model's 4 parameters) riding the end-of-backward fingerprint exchange (3 int64 per rank), or,
-    with checks off, one all-reduce of a count per parameter."""
+    word (the model's 4 parameters) exchanged right after the end-of-backward fingerprint exchange (4 int64
+    per rank) agreed on its length, or, with checks off, one all-reduce of a count per parameter."""
     if checked:
-        return {("all_gather_into", 2 * (3 + 1), "torch.int64")}
+        return {("all_gather_into", 2 * 4, "torch.int64"), ("all_gather_into", 2 * 1, "torch.int64")}
     return {("all_reduce_sum", 4, "torch.int32")}
 
 

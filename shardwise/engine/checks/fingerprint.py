@@ -159,24 +159,30 @@ class CollectiveChecker:
 
     def agree(self, what: str = "the consistency exchange at the end of backward",
               payload: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """The per-step compare: one all-gather of (seq, running hash, count) on the side group; every rank
-        raises the same error if they differ. Free when nothing was recorded out of band since the last one
-        (every rank then skips it alike: their logs have the same length when they agree), unless a
-        ``payload`` rides along: a 1-D int64 tensor of the same size on every rank (the parameters' usage
-        at the end of backward, core/grad_usage.py), exchanged in the same message; returns every rank's,
-        one row per rank (None without a payload)."""
+        """The per-step compare: one all-gather of (seq, running hash, count, payload length) on the side
+        group; every rank raises the same error if they differ. Free when nothing was recorded out of band
+        since the last one (every rank then skips it alike: their logs have the same length when they
+        agree), unless a ``payload`` rides along: a 1-D int64 tensor (the parameters' usage at the end of
+        backward, core/grad_usage.py), exchanged in a second all-gather once every rank has said it holds
+        one of that length; returns every rank's, one row per rank (None without a payload). The first
+        exchange has the same size whatever each rank is doing (a rank at the end of backward, another in a
+        tensor hook's check_now), so a disagreement is named, never a gloo abort on mismatched sizes."""
         if self.group is None or (not self.log and payload is None):
             return None
         extra = payload if payload is not None else torch.empty(0, dtype=torch.int64)
-        mine = torch.cat([torch.tensor([self.seq, self.hash, len(self.log)], dtype=torch.int64), extra])
+        mine = torch.tensor([self.seq, self.hash, len(self.log), extra.numel()], dtype=torch.int64)
         everyone = torch.empty(self.world * mine.numel(), dtype=torch.int64)
         collectives.all_gather_into(everyone, mine, self.group, async_op=False, what=what)
         table = everyone.view(self.world, -1)
-        if bool((table[:, :3] == table[0, :3]).all()):
-            self.log.clear()
-            self.hash = 0
-            return table[:, 3:] if payload is not None else None
-        self._raise_first_difference(int(table[:, 2].max()), what)
+        if not bool((table == table[0]).all()):
+            self._raise_first_difference(int(table[:, 2].max()), what)
+        self.log.clear()
+        self.hash = 0
+        if payload is None:
+            return None
+        rows = torch.empty(self.world * extra.numel(), dtype=torch.int64)
+        collectives.all_gather_into(rows, extra.contiguous(), self.group, async_op=False, what=what)
+        return rows.view(self.world, -1)
 
     def _raise_first_difference(self, longest: int, what: str) -> None:
         """Rare path: the hashes differ. Exchange the logs (padded to the longest, so the exchange has the
