@@ -5,8 +5,8 @@ step, and the bytes each rank receives through weight all-gathers per step.
     python bench/qlora_bench.py --workdir runs/qlora-bench            # ~1.1 GB bf16 Llama, world size 2
     python bench/qlora_bench.py --workdir runs/qlora-bench --hidden 1024 --layers 4 --repeats 3 \\
         --code before=/path/to/old/checkout,after=.                     # two checkouts, interleaved
-    python bench/qlora_bench.py --device cuda --world-size 1 --hidden 2048 --layers 8 --batch 4 --seq-len 1024 \\
-        --steps 6 --repeats 2                                           # one GPU: step time and peak memory
+    python bench/qlora_bench.py --device cuda --world-size 1 --hidden 2048 --heads 16 --kv-heads 8 --layers 8 \\
+        --batch 4 --seq-len 1024 --steps 6 --repeats 2                  # one GPU: step time and peak memory
 
 CPU (default): both runs load the same bf16 Hugging Face directory (written once into --workdir: a random
 Llama of the given shape), build the model on meta, wrap every projection with LoRA r=16, shard with bf16
@@ -51,10 +51,10 @@ MODES = ("qlora", "lora-bf16")
 
 
 def config_dict(args) -> dict:
-    heads = args.hidden // 128
+    heads = args.heads or args.hidden // 128
     return dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=args.vocab,
                 hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=4096,
+                num_attention_heads=heads, num_key_value_heads=args.kv_heads or heads, max_position_embeddings=4096,
                 tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, torch_dtype="bfloat16")
 
 
@@ -76,7 +76,8 @@ def random_llama(args):
 
 def make_model_dir(args) -> Path:
     """``random_llama`` saved as Hugging Face saves it (once per shape)."""
-    d = Path(args.workdir) / f"llama-h{args.hidden}-i{args.intermediate}-l{args.layers}-v{args.vocab}"
+    heads = f"-a{args.heads}-kv{args.kv_heads}" if args.heads or args.kv_heads else ""
+    d = Path(args.workdir) / f"llama-h{args.hidden}-i{args.intermediate}-l{args.layers}-v{args.vocab}{heads}"
     if not (d / "model.safetensors").exists():
         random_llama(args).save_pretrained(d)
     return d
@@ -235,7 +236,8 @@ def worker(rank: int, world: int, init: str, model_dir: str, mode: str, code: st
     if device.type == "cpu":
         phases.update(loaded=current_rss() - baseline, load_peak=peak_rss() - baseline)
     phases["base_bytes"], phases["all_base_bytes"], matrices = quantised_bytes(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
+                            fused=device.type == "cuda")
     g = torch.Generator().manual_seed(rank)
     counts: dict = {}
     dequantized = [0]
@@ -292,6 +294,36 @@ def run(mode: str, code: str, model_dir: Path, args) -> list[dict]:
         return [json.load(open(f"{out}.rank{r}.json")) for r in range(args.world_size)]
 
 
+def time_dequantize(code: str, shape: tuple[int, int], device: str, repeats: int = 20) -> dict:
+    """One ``[out, in]`` bf16 matrix dequantised from its 4-bit bytes on ``device`` by ``code``'s shardwise
+    (in a fresh process): milliseconds per matrix, median of ``repeats`` warm calls, wall and CPU."""
+    import subprocess
+
+    script = f"""
+import json, statistics, sys, time, torch
+sys.path.insert(0, {code!r})
+torch.set_num_threads(1)
+from shardwise.quant.linear import QuantLinear
+device = torch.device({device!r})
+torch.manual_seed(0)
+linear = torch.nn.Linear({shape[1]}, {shape[0]}, bias=False, dtype=torch.bfloat16)
+torch.nn.init.normal_(linear.weight, 0, 0.02)
+q = QuantLinear.from_linear(linear)
+stored = {{k: v.to(device) for k, v in q.stored().items()}}
+sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+q.layout.dequantize(stored, torch.bfloat16); sync()
+wall, cpu = [], []
+for _ in range({repeats}):
+    t, c = time.perf_counter(), time.process_time()
+    q.layout.dequantize(stored, torch.bfloat16); sync()
+    wall.append(time.perf_counter() - t); cpu.append(time.process_time() - c)
+print(json.dumps({{"wall_ms": 1e3 * statistics.median(wall), "cpu_ms": 1e3 * statistics.median(cpu)}}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def spread(values: list[float], fmt: str = "{:.2f}") -> str:
     """min / median / max."""
     return " / ".join(fmt.format(v) for v in (min(values), statistics.median(values), max(values)))
@@ -304,6 +336,8 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=5632)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--heads", type=int, default=0, help="attention heads (default: hidden / 128)")
+    ap.add_argument("--kv-heads", type=int, default=0, help="key/value heads (default: as many as heads)")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
@@ -314,6 +348,8 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--code", default=f"this={REPO_ROOT}",
                     help="LABEL=CHECKOUT[,LABEL=CHECKOUT...]: the shardwise checkouts to measure, alternated")
+    ap.add_argument("--dequant-shape", default="2048x2048",
+                    help="OUTxIN: first time one matrix's dequantisation alone ('' to skip)")
     ap.add_argument("--json", help="write every run's per-rank reports here")
     args = ap.parse_args()
     if args.device == "cuda" and args.world_size != 1:
@@ -325,6 +361,13 @@ def main() -> None:
           f"{args.world_size}, batch {args.batch} x seq {args.seq_len}, LoRA r=16 on {','.join(TARGETS)}, bf16 compute, "
           f"activation checkpointing; {args.warmup} warm-up + {args.steps} timed steps, {args.repeats} repeat(s)",
           flush=True)
+    if args.dequant_shape:
+        shape = tuple(int(n) for n in args.dequant_shape.split("x"))
+        for repeat in range(args.repeats):
+            for label, path in codes:
+                t = time_dequantize(path, shape, args.device)
+                print(f"dequantise one {list(shape)} bf16 matrix on {args.device}, {label}: {t['wall_ms']:.2f} ms "
+                      f"({t['cpu_ms']:.2f} CPU ms), load {os.getloadavg()[0]:.1f}", flush=True)
     runs = []  # (repeat, code label, mode, load average at start, per-rank reports)
     for repeat in range(args.repeats):
         for label, path in codes:
