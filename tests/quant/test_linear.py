@@ -170,3 +170,47 @@ def test_counts_follow_a_deep_copy_apart():
         model(torch.randn(2, 64))
     assert set(dequantization_counts(model).values()) == {1}
     assert set(dequantization_counts(other).values()) == {0}
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+def test_on_cuda_the_bits_are_the_cpus_and_no_table_is_built_once_warm(monkeypatch):
+    _device_bits_and_tables(torch.device("cuda", torch.cuda.current_device()), monkeypatch)
+
+
+def _device_bits_and_tables(device: torch.device, monkeypatch) -> None:
+    import shardwise.quant.format as fmt
+
+    torch.manual_seed(4)
+    cases = []
+    for case in sorted(CASES):
+        w = CASES[case]().to(torch.bfloat16)
+        for quant_type in ("nf4", "fp4"):
+            layout = Layout4bit(tuple(w.shape), w.dtype, quant_type, True)
+            stored = layout.to_bytes(quantize_4bit(w, quant_type))
+            on_device = {k: v.to(device) for k, v in stored.items()}
+            layout.dequantize(on_device, torch.bfloat16)  # warm: this type's tables now live on the device
+            cases.append((layout, on_device, layout.dequantize(stored, torch.bfloat16)))
+    monkeypatch.setattr(fmt, "decode_table", lambda *_: pytest.fail("a table was built for a warm dequantisation"))
+    monkeypatch.setattr(fmt, "dynamic_map", lambda *_: pytest.fail("a table was built for a warm dequantisation"))
+    for layout, on_device, on_cpu in cases:
+        got = layout.dequantize(on_device, torch.bfloat16)
+        assert got.device == device
+        assert torch.equal(got.cpu().view(torch.int16), on_cpu.view(torch.int16))
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", MODES)
+def test_on_cuda_each_weight_is_dequantised_twice_per_step_and_the_gradient_is_unchanged(mode):
+    reference, model = quantised_stack().cuda(), quantised_stack().cuda()
+    model.mode = mode
+    grads = []
+    for m in (reference, model):
+        x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)).cuda().requires_grad_()
+        reset_dequantization_counts(m)
+        m(x).square().sum().backward()
+        grads.append(x.grad)
+        assert set(dequantization_counts(m).values()) == {2}, mode
+    assert torch.equal(grads[0], grads[1])
