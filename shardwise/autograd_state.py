@@ -1,5 +1,6 @@
 """What this thread's autograd engine is doing, for the layers that must tell a forward inside a backward
-(a recompute: activation checkpointing of any kind) from an ordinary one. A leaf: imports only torch."""
+(a recompute: activation checkpointing of any kind) from an ordinary one: the engine (through
+``engine/base/torch_internals.py``) and ``quant/``. A leaf: imports only torch."""
 
 from __future__ import annotations
 
