@@ -99,6 +99,7 @@ class RunResult:
     status: str  # "ok", "OOM-killed", "timeout after N s", "failed: <reason>"
     median_step_s: Optional[float] = None  # max over ranks of each rank's median measured step time
     median_cpu_s: Optional[float] = None  # max over ranks of each rank's median CPU seconds per measured step
+    median_page_faults: Optional[float] = None  # max over ranks of each rank's median minor page faults per step
     load_1min: float = 0.0  # the machine's 1-minute load average when the run started
     peak_rss_gb: Optional[float] = None  # max over ranks of ru_maxrss
     rss_gb_per_rank: list[float] = field(default_factory=list)
@@ -272,18 +273,21 @@ def train(spec: RunSpec, rank: int, meter: Meter | None = None) -> dict:
     batches = make_batches(spec, rank, model.config.vocab_size)
     step = SETUPS[spec.impl](model, spec, **spec.options)
 
-    times, cpu, losses = [], [], []
+    times, cpu, faults, losses = [], [], [], []
     for i, (x, y) in enumerate(batches):
         if i == spec.warmup:
             meter.start()
         start, start_cpu = time.perf_counter(), time.process_time()
+        start_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         loss = step(x, y)
         losses.append(loss.item())  # also makes sure the step has really finished
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)  # every thread of the rank: gloo's included
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start_faults)  # pages first touched
     measured = meter.stop()
     return {"step_times_s": times, "losses": losses, "median_step_s": statistics.median(times[spec.warmup :]),
-            "median_cpu_s": statistics.median(cpu[spec.warmup :]), **measured}
+            "median_cpu_s": statistics.median(cpu[spec.warmup :]),
+            "median_page_faults": statistics.median(faults[spec.warmup :]), **measured}
 
 
 def worker_main(spec: RunSpec, result_path: Path, meter: Meter | None = None) -> None:
@@ -432,6 +436,7 @@ def launch_run(spec: RunSpec, repeat: int, world_size: int, timeout_s: float, lo
     else:
         result.median_step_s = max(r["median_step_s"] for r in reports)
         result.median_cpu_s = max(r["median_cpu_s"] for r in reports)
+        result.median_page_faults = max(r["median_page_faults"] for r in reports)
         result.peak_rss_gb = max(result.rss_gb_per_rank)
         result.step_times_s = reports[0]["step_times_s"]
         result.losses = reports[0]["losses"]
@@ -547,7 +552,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                              checkout or None)
             res.impl = row_name(impl, label)
             results.append(res)
-            detail = (f"{res.median_step_s:.3f} s/step, {res.median_cpu_s:.3f} CPU s, peak RSS {res.peak_rss_gb:.3f} GB"
+            detail = (f"{res.median_step_s:.3f} s/step, {res.median_cpu_s:.3f} CPU s, "
+                      f"{res.median_page_faults / 1e3:.0f}k page faults, peak RSS {res.peak_rss_gb:.3f} GB"
                       if res.ok else res.status)
             print(f"  repeat {repeat + 1}/{args.repeats} {res.impl:>9}: {detail}  (load {res.load_1min:.1f}, "
                   f"{res.wall_s:.0f} s wall)", flush=True)
