@@ -44,6 +44,7 @@ sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
 import compare_cpu  # noqa: E402  (the training every row of compare_cpu.py runs)
+from proc_rss import current_rss, peak_rss, reset_peak_rss  # noqa: E402
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -62,26 +63,11 @@ def live_bytes() -> int:
     return m.uordblks + m.hblkhd
 
 
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def hwm() -> int:
-    with open("/proc/self/status") as f:
-        return int(next(x for x in f if x.startswith("VmHWM:")).split()[1]) * 1024
-
-
-def reset_hwm() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 class Phases:
     """Peak RSS and peak live malloc bytes per named phase (the largest over the steps measured)."""
 
     def __init__(self):
-        self.base_rss, self.base_live = rss(), live_bytes()
+        self.base_rss, self.base_live = current_rss(), live_bytes()
         self.name, self.peaks = None, {}
         self._live_max = self._slack_at_max = 0
         self._stop = False
@@ -90,7 +76,7 @@ class Phases:
 
     def _sample(self) -> None:
         while not self._stop:
-            live, resident = live_bytes(), rss()
+            live, resident = live_bytes(), current_rss()
             with self._lock:
                 if live > self._live_max:
                     self._live_max, self._slack_at_max = live, resident - live
@@ -98,13 +84,13 @@ class Phases:
 
     def begin(self, name: str) -> None:
         with self._lock:
-            self.name, self._live_max, self._slack_at_max = name, live_bytes(), rss() - live_bytes()
-        reset_hwm()
+            self.name, self._live_max, self._slack_at_max = name, live_bytes(), current_rss() - live_bytes()
+        reset_peak_rss()
 
     def end(self, record: bool = True) -> None:
         with self._lock:
             live, slack, name = self._live_max, self._slack_at_max, self.name
-        peak = hwm()
+        peak = peak_rss()
         if record:
             old = self.peaks.get(name, {"rss": 0, "live": 0, "slack": 0})
             new = {"rss": peak - self.base_rss, "live": live - self.base_live,
@@ -211,9 +197,9 @@ def worker(rank: int, world: int, init: str, impl: str, args, out: str) -> None:
         phases.end(measured)
         losses.append(loss.item())
         if measured and args.trim:
-            before = rss()
+            before = current_rss()
             _libc.malloc_trim(0)
-            trimmed.append(before - rss())
+            trimmed.append(before - current_rss())
     phases.stop()
     report = {"impl": impl, "rank": rank, "peaks": phases.peaks, "buffers": buffers, "trimmed": trimmed,
               "runtime_rss": phases.base_rss, "peak_rss": phases.base_rss + max(p["rss"] for p in phases.peaks.values()),

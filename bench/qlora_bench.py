@@ -45,6 +45,9 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+
+from proc_rss import current_rss, peak_rss, reset_peak_rss  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MODES = ("qlora", "lora-bf16")
@@ -81,25 +84,6 @@ def make_model_dir(args) -> Path:
     if not (d / "model.safetensors").exists():
         random_llama(args).save_pretrained(d)
     return d
-
-
-def current_rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss() -> int:
-    """VmHWM: the most this process has had resident since it started or since ``reset_peak_rss``."""
-    with open("/proc/self/status") as f:
-        line = next(x for x in f if x.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
-
-
-def reset_peak_rss() -> None:
-    """Start VmHWM afresh from the current RSS (Linux >= 4.0: "5" to clear_refs), so a step's peak is not
-    the load's."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 class Memory:
