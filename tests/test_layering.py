@@ -6,8 +6,8 @@ Every import counts, those inside functions too (a lazy import is still a depend
 plain model with no parallelism in it) and ``quant/`` (the 4-bit format, tensors only) are leaves any layer
 above the engine may use; ``autograd_state`` (one private torch probe) is a leaf the engine and ``quant/``
 share. Two rules are spelled out because they are the ones that were broken: the engine imports nothing of
-shardwise but itself, ``errors`` and ``autograd_state``; ``checkpoint/`` imports neither the
-integrations (``hf/``, transformers, peft) nor the planner or the trainer.
+shardwise but itself, ``errors`` and ``autograd_state``; ``checkpoint/`` imports neither ``hf/``
+(transformers, peft) nor the planner, ``integrations/`` or the trainer.
 
 Inside the engine the same rule holds between its folders (``ENGINE_LAYERS``)::
 
