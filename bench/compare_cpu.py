@@ -43,8 +43,10 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn.parallel import DistributedDataParallel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# Benchmark the checkout this script lives in, not whatever shardwise happens to be installed.
-sys.path.insert(0, str(REPO_ROOT))
+# Benchmark the checkout this script lives in, not whatever shardwise happens to be installed; a worker of the
+# "shardwise-baseline" row imports the checkout given by --baseline instead (the driver sets this variable).
+CHECKOUT_ENV = "SHARDWISE_BENCH_CHECKOUT"
+sys.path.insert(0, os.environ.get(CHECKOUT_ENV) or str(REPO_ROOT))
 
 from shardwise.models import GPT, PRESETS, Block, GPTConfig  # noqa: E402  (needs the sys.path line above)
 
@@ -54,6 +56,7 @@ ALL_IMPLS = ("shardwise", "fsdp2", "fsdp1", "ddp", "deepspeed")
 ABLATIONS = ("shardwise-nocheck", "shardwise-nativecoll", "shardwise-nativecoll-nocheck")
 # shardwise's other strategies (full parameters kept across steps: ZeRO-2 and ZeRO-1), not run by default.
 STRATEGY_ROWS = ("shardwise-zero2", "shardwise-zero1")
+BASELINE_ROW = "shardwise-baseline"  # shardwise imported from the checkout given by --baseline
 BASELINE_IMPL = "fsdp2"  # ratios in the table are relative to this one
 
 # Per-preset (sequence length, per-rank batch): the shapes measured in shared/REFERENCE.md.
@@ -87,6 +90,7 @@ class RunSpec:
     # Keyword options for the implementation's setup function (e.g. strategy, prefetch, reduce_dtype), so
     # other benchmarks (bench/netns_bench.py) can vary them without a setup of their own. JSON-serialisable.
     options: dict[str, Any] = field(default_factory=dict)
+    count_elements: bool = False  # count what every collective moves (a counting wrapper of gloo, see below)
 
 
 @dataclass
@@ -95,6 +99,8 @@ class RunResult:
     repeat: int
     status: str  # "ok", "OOM-killed", "timeout after N s", "failed: <reason>"
     median_step_s: Optional[float] = None  # max over ranks of each rank's median measured step time
+    cpu_step_s: Optional[float] = None  # max over ranks of each rank's median CPU seconds per measured step
+    elements: dict[str, float] = field(default_factory=dict)  # rank 0, per measured step (--count-elements)
     peak_rss_gb: Optional[float] = None  # max over ranks of ru_maxrss
     rss_gb_per_rank: list[float] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)  # rank 0, warmup steps included
@@ -186,6 +192,8 @@ def setup_ddp(model: nn.Module, spec: RunSpec, reduce_dtype: str | None = None) 
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     wrapped = DistributedDataParallel(model)
+    if spec.count_elements and reduce_dtype is None:  # torch's Python twin of the built-in all-reduce: counted
+        wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
     # DDP's equivalent of a reduction dtype is a communication hook that casts each bucket before all-reduce.
     hooks = {None: None, "bfloat16": default_hooks.bf16_compress_hook, "float16": default_hooks.fp16_compress_hook}
     if reduce_dtype not in hooks:
@@ -235,6 +243,7 @@ SETUPS: dict[str, Callable[..., StepFn]] = {
     "shardwise-nativecoll": setup_shardwise_ablation({"SHARDWISE_GLOO_NATIVE_COLLECTIVES": "1"}),
     "shardwise-zero2": setup_shardwise_strategy("shard_optim_grad"),
     "shardwise-zero1": setup_shardwise_strategy("shard_optim"),
+    "shardwise-baseline": setup_shardwise,  # the shardwise of another checkout (--baseline): the same setup
     # the cost of the out-of-band check: native collectives with the check off
     "shardwise-nativecoll-nocheck": setup_shardwise_ablation({"SHARDWISE_GLOO_NATIVE_COLLECTIVES": "1",
                                                               "SHARDWISE_CHECK_COLLECTIVES": "0"}),
@@ -267,17 +276,18 @@ def train(spec: RunSpec, rank: int, meter: Meter | None = None) -> dict:
     batches = make_batches(spec, rank, model.config.vocab_size)
     step = SETUPS[spec.impl](model, spec, **spec.options)
 
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     for i, (x, y) in enumerate(batches):
         if i == spec.warmup:
             meter.start()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = step(x, y)
         losses.append(loss.item())  # also makes sure the step has really finished
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)  # every thread of the rank: gloo's included
     measured = meter.stop()
     return {"step_times_s": times, "losses": losses, "median_step_s": statistics.median(times[spec.warmup :]),
-            **measured}
+            "cpu_step_s": statistics.median(cpu_times[spec.warmup :]), **measured}
 
 
 def worker_main(spec: RunSpec, result_path: Path, meter: Meter | None = None) -> None:
@@ -287,6 +297,9 @@ def worker_main(spec: RunSpec, result_path: Path, meter: Meter | None = None) ->
     result: dict = {"rank": rank}
     try:
         # The driver enforces the wall-clock limit; this only keeps a lone survivor from waiting forever.
+        if spec.count_elements:
+            ElementCount.install()
+            meter = ElementCount(spec.steps)
         dist.init_process_group("gloo", timeout=timedelta(minutes=30))
         result.update(train(spec, rank, meter))
     except BaseException as exc:  # report every failure, including KeyboardInterrupt, then exit non-zero
@@ -302,6 +315,54 @@ def worker_main(spec: RunSpec, result_path: Path, meter: Meter | None = None) ->
             dist.destroy_process_group()
     if "error" in result:
         sys.exit(1)
+
+
+class ElementCount(Meter):
+    """Elements per measured step, by collective: every ``ProcessGroup`` method torch.distributed's Python API
+    calls is wrapped, so shardwise's, FSDP's and a DDP comm hook's collectives are counted alike (DDP's
+    built-in C++ all-reduce is not: under counting DDP runs torch's equivalent Python hook,
+    ``default_hooks.allreduce_hook``). ``wire``: what one rank sends for them under ring algorithms,
+    2 (N-1)/N of an all-reduce's elements and (N-1)/N of any other's. shardwise's control exchanges (a few
+    int64 each) count too."""
+
+    moved: dict[str, float] = {}
+    # ProcessGroup method -> (the collective's name, which argument holds the elements, wire factor)
+    METHODS = {"allreduce": ("all_reduce", 0, 2), "allgather": ("all_gather", 0, 1),
+               "all_gather_single": ("all_gather", 0, 1), "_allgather_base": ("all_gather", 0, 1),
+               "reduce_scatter": ("reduce_scatter", 1, 1), "reduce_scatter_single": ("reduce_scatter", 1, 1),
+               "_reduce_scatter_base": ("reduce_scatter", 1, 1), "alltoall_base": ("all_to_all", 1, 1),
+               "all_to_all_single": ("all_to_all", 1, 1), "broadcast": ("broadcast", 0, 1)}
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    @classmethod
+    def install(cls) -> None:
+        for method, (name, arg, factor) in cls.METHODS.items():
+            original = getattr(dist.ProcessGroup, method, None)
+            if original is None:
+                continue
+
+            def counted(group, *args, _orig=original, _name=name, _arg=arg, _factor=factor, **kwargs):
+                numel = sum(t.numel() for t in _flat_tensors(args[_arg]))
+                size = group.size()
+                cls.moved[_name] = cls.moved.get(_name, 0) + numel
+                cls.moved["wire"] = cls.moved.get("wire", 0) + numel * _factor * (size - 1) / size
+                return _orig(group, *args, **kwargs)
+
+            setattr(dist.ProcessGroup, method, counted)
+
+    def start(self) -> None:
+        ElementCount.moved = {}
+
+    def stop(self) -> dict:
+        return {"elements": {op: n / self.steps for op, n in ElementCount.moved.items()}}
+
+
+def _flat_tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for item in x for t in _flat_tensors(item)]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -364,7 +425,8 @@ def wait_for_ranks(procs: list[subprocess.Popen], timeout_s: float) -> tuple[set
         time.sleep(0.2)
 
 
-def launch_run(spec: RunSpec, repeat: int, world_size: int, timeout_s: float, log_dir: Path) -> RunResult:
+def launch_run(spec: RunSpec, repeat: int, world_size: int, timeout_s: float, log_dir: Path,
+               baseline: str = "") -> RunResult:
     """Start world_size fresh worker processes for one run, wait for them, and turn what they left into a result."""
     run_dir = log_dir / f"{spec.impl}-r{repeat}"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -383,6 +445,7 @@ def launch_run(spec: RunSpec, repeat: int, world_size: int, timeout_s: float, lo
             # One thread per rank: set before torch loads so OpenMP/MKL pools are created that size.
             "OMP_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
+            CHECKOUT_ENV: baseline if spec.impl == BASELINE_ROW else "",
         }
         cmd = [sys.executable, __file__, "--worker", json.dumps(dataclasses.asdict(spec)),
                "--result", str(run_dir / f"rank{rank}.json")]
@@ -421,6 +484,8 @@ def launch_run(spec: RunSpec, repeat: int, world_size: int, timeout_s: float, lo
         result.status = "failed: a rank exited 0 without writing its result"
     else:
         result.median_step_s = max(r["median_step_s"] for r in reports)
+        result.cpu_step_s = max(r["cpu_step_s"] for r in reports)
+        result.elements = reports[0].get("elements", {})
         result.peak_rss_gb = max(result.rss_gb_per_rank)
         result.step_times_s = reports[0]["step_times_s"]
         result.losses = reports[0]["losses"]
@@ -442,15 +507,17 @@ def summarize(results: list[RunResult], impls: list[str]) -> str:
         return statistics.median(r.median_step_s for r in ok), statistics.median(r.peak_rss_gb for r in ok)
 
     base_time, base_rss = medians(BASELINE_IMPL)
-    header = ("| impl | step time s (min / median / max) | peak RSS per rank GB (min / median / max) "
-              f"| time vs {BASELINE_IMPL} | RSS vs {BASELINE_IMPL} | loss rank 0 (first → last step) |")
-    rows = [header, "|---|---|---|---|---|---|"]
+    counted = any(r.elements for r in results)
+    header = ("| impl | step time s (min / median / max) | CPU s per step per rank (median) | peak RSS per rank GB "
+              f"(min / median / max) | time vs {BASELINE_IMPL} | RSS vs {BASELINE_IMPL} | loss rank 0 (first → last step) |"
+              + (" elements moved per step (by collective) · wire elements per rank |" if counted else ""))
+    rows = [header, "|---|---|---|---|---|---|---|" + ("---|" if counted else "")]
     for impl in impls:
         runs = by_impl[impl]
         ok = [r for r in runs if r.ok]
         if not ok:
             reasons = sorted({r.status for r in runs})
-            rows.append(f"| {impl} | {'; '.join(reasons)} | — | — | — | — |")
+            rows.append(f"| {impl} | {'; '.join(reasons)} | — | — | — | — | — |" + (" — |" if counted else ""))
             continue
         time_med, rss_med = medians(impl)
         times = min_med_max([r.median_step_s for r in ok], ".3f")
@@ -461,7 +528,13 @@ def summarize(results: list[RunResult], impls: list[str]) -> str:
         t_ratio = f"{time_med / base_time:.2f}" if base_time else "—"
         m_ratio = f"{rss_med / base_rss:.2f}" if base_rss else "—"
         loss = f"{ok[0].losses[0]:.4f} → {ok[0].losses[-1]:.4f}"
-        rows.append(f"| {impl} | {times} | {rss} | {t_ratio} | {m_ratio} | {loss} |")
+        cpu = f"{statistics.median(r.cpu_step_s for r in ok):.3f}"
+        row = f"| {impl} | {times} | {cpu} | {rss} | {t_ratio} | {m_ratio} | {loss} |"
+        if counted:
+            moved = ok[0].elements
+            by_op = ", ".join(f"{op} {n / 1e6:.1f}M" for op, n in sorted(moved.items()) if op != "wire")
+            row += f" {by_op} · {moved.get('wire', 0) / 1e6:.1f}M |"
+        rows.append(row)
     return "\n".join(rows)
 
 
@@ -480,6 +553,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1200.0, help="wall-clock limit per run, seconds")
     p.add_argument("--json", type=Path, default=None, help="write the raw per-run numbers here")
     p.add_argument("--log-dir", type=Path, default=None, help="keep each rank's output here (default: a temp dir, deleted)")
+    p.add_argument("--count-elements", action="store_true",
+                   help="count the elements every collective moves per step (a counting wrapper of gloo)")
+    p.add_argument("--baseline", default="", help=f"a shardwise checkout for the {BASELINE_ROW} row")
     # Internal: the driver re-runs this file with these to start one rank.
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
@@ -489,6 +565,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         unknown = [i for i in args.impls if i not in SETUPS]
         if unknown:
             p.error(f"unknown impl(s) {unknown}; valid: {','.join(ALL_IMPLS)}")
+        if BASELINE_ROW in args.impls and not args.baseline:
+            p.error(f"the {BASELINE_ROW} row needs --baseline PATH (a shardwise checkout)")
         if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.world_size < 1:
             p.error("need --steps >= 1, --warmup >= 0, --repeats >= 1, --world-size >= 1")
     return args
@@ -505,7 +583,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     block_size = GPTConfig(**PRESETS[args.model]).block_size
     default_t, default_b = DEFAULT_SHAPES.get(args.model, (block_size, FALLBACK_BATCH))
     spec_kw = dict(model=args.model, seq_len=args.seq_len or default_t, batch=args.batch or default_b,
-                   steps=args.steps, warmup=args.warmup, seed=args.seed, lr=args.lr)
+                   steps=args.steps, warmup=args.warmup, seed=args.seed, lr=args.lr, count_elements=args.count_elements)
     if spec_kw["seq_len"] > block_size:
         sys.exit(f"--seq-len {spec_kw['seq_len']} exceeds {args.model}'s block_size {block_size}")
 
@@ -518,9 +596,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     results: list[RunResult] = []
     for repeat in range(args.repeats):
         for impl in args.impls:  # interleaved: A, B, C, A, B, C, ...
-            res = launch_run(RunSpec(impl=impl, **spec_kw), repeat, args.world_size, args.timeout, log_dir)
+            res = launch_run(RunSpec(impl=impl, **spec_kw), repeat, args.world_size, args.timeout, log_dir,
+                             str(Path(args.baseline).resolve()) if args.baseline else "")
             results.append(res)
-            detail = (f"{res.median_step_s:.3f} s/step, peak RSS {res.peak_rss_gb:.2f} GB" if res.ok else res.status)
+            detail = (f"{res.median_step_s:.3f} s/step ({res.cpu_step_s:.3f} CPU s), peak RSS {res.peak_rss_gb:.2f} GB, "
+                      f"load {os.getloadavg()[0]:.1f}" if res.ok else res.status)
             print(f"  repeat {repeat + 1}/{args.repeats} {impl:>9}: {detail}  ({res.wall_s:.0f} s wall)", flush=True)
 
     print()
