@@ -24,7 +24,8 @@ from harness import run_distributed
 
 def worker(rank, world, n_layer):
     import shardwise
-    from shardwise.engine import collectives, fingerprint
+    from shardwise.engine.base import collectives
+    from shardwise.engine.checks import fingerprint
     from shardwise.models import GPT, Block, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=n_layer, n_head=2, n_embd=16))

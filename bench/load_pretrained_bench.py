@@ -80,7 +80,7 @@ def worker(rank: int, world: int, init_file: str, method: str, directory: str, o
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import shardwise
-    from shardwise.engine.runtime import runtime_of
+    from shardwise.engine.core.runtime import runtime_of
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=1800))

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from shardwise.errors import ShardwiseError
 from shardwise.models import GPT, PRESETS, GPTConfig
-from shardwise.engine.strategy import Strategy
+from shardwise.engine.base.strategy import Strategy
 
 DEFAULT_CONFIGS = (
     "shardwise:full_shard", "shardwise:full_shard:noprefetch", "shardwise:full_shard:bf16",

@@ -85,7 +85,7 @@ def reset_peak_rss() -> None:
 def quantised_bytes(model) -> tuple[int, int]:
     """(this rank's uint8 shard bytes: the 4-bit base's packed data and scales, padding included; every
     QuantLinear's stored bytes in all, unsharded)."""
-    from shardwise.engine.runtime import STATE_ATTR
+    from shardwise.engine.core.runtime import STATE_ATTR
     from shardwise.quant.linear import QuantLinear
 
     runtime = getattr(model, STATE_ATTR)
@@ -104,7 +104,7 @@ def record_peak(phases: dict, name: str, baseline: int, timed: bool) -> None:
 
 def count_gathers(counts: dict):
     """Count the bytes every all-gather delivers to this rank, by dtype (patches the engine's collectives)."""
-    from shardwise.engine import collectives
+    from shardwise.engine.base import collectives
 
     original = collectives.all_gather_into
 

@@ -6,16 +6,16 @@ from shardwise.checkpoint import CheckpointManager, load_checkpoint, save_checkp
 from shardwise.errors import ShardwiseError
 from shardwise.engine.full_params import register_forward_method, summon_full_params
 from shardwise.engine.grad_scaler import ShardedGradScaler
-from shardwise.engine.mixed_precision import MixedPrecision
-from shardwise.engine.cpu_offload import CPUOffload
-from shardwise.engine.optimizer_guard import allow_optimizer
+from shardwise.engine.base.mixed_precision import MixedPrecision
+from shardwise.engine.base.cpu_offload import CPUOffload
+from shardwise.engine.surface.optimizer_guard import allow_optimizer
 from shardwise.optim.offload_optimizer import OffloadOptimizer, offload_optimizer
 from shardwise.engine.logical_shapes import ParamInfo, named_param_infos, num_parameters, param_info
 from shardwise.hf.export import export_checkpoint
 from shardwise.hf.pretrained import load_pretrained, skip_weight_init
 from shardwise.hf.quantization import QuantSettings, quantize_model
 from shardwise.engine.state_dict import full_state_dict, load_full_state_dict
-from shardwise.engine.strategy import Strategy
+from shardwise.engine.base.strategy import Strategy
 
 from shardwise.version import __version__
 

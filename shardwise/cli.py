@@ -190,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if DEBUG_FLAG in argv:
         argv = [a for a in argv if a != DEBUG_FLAG]
-        from shardwise.engine import flags
+        from shardwise.engine.base import flags
 
         os.environ[flags.DEBUG] = "1"  # the workers inherit it
     if not argv or argv[0] in ("-h", "--help"):

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.engine.shard_grad import local_only
+from shardwise.engine.surface.pieces import local_only
 
 GLOBAL_BATCH = 12  # divisible by every world size tested: 1, 2, 3, 4
 SEQ_LEN = 8
@@ -124,7 +124,7 @@ def sharded_param_errors(model: nn.Module, reference: nn.Module) -> dict[str, fl
     """Relative error of every parameter of a sharded ``model`` against ``reference``, measured on the shards
     themselves (no gather): each rank compares its local pieces with the same slices of the reference, and
     the squared norms are summed over the world. Checks the shard layout as well as the values."""
-    from shardwise.engine.runtime import runtime_of
+    from shardwise.engine.core.runtime import runtime_of
 
     rt = runtime_of(model)
     names, sq = [], []
@@ -309,7 +309,7 @@ def assert_engine_clean(model: nn.Module, when: str = "after backward") -> None:
     """The engine's state between steps: runtime idle, nothing in flight, every module parameter its 1-D
     shard ``nn.Parameter`` (still a view of the flat shard), nothing left gathered, no entry still open, no
     unreduced gradient outside ``no_sync``. Every parity run asserts it after every backward."""
-    from shardwise.engine.runtime import runtime_of
+    from shardwise.engine.core.runtime import runtime_of
 
     problems = runtime_of(model).invariant_violations()
     assert not problems, f"engine not clean {when}: " + "; ".join(problems)
@@ -328,7 +328,7 @@ def assert_parity(metrics: dict, rtol: float = 1e-6, label: str = "", param_rtol
 
 
 def is_sharded(model: nn.Module) -> bool:
-    from shardwise.engine.runtime import STATE_ATTR as _STATE_ATTR
+    from shardwise.engine.core.runtime import STATE_ATTR as _STATE_ATTR
 
     return getattr(model, _STATE_ATTR, None) is not None
 
@@ -369,7 +369,7 @@ def scenario(report: dict, name: str) -> dict:
 
 
 class CollectiveCounter:
-    """Counts the elements shardwise sends through each collective while active (patches ``shardwise.engine.collectives``,
+    """Counts the elements shardwise sends through each collective while active (patches ``shardwise.engine.base.collectives``,
     which every other module calls through)."""
 
     NAMES = ("all_gather_into", "reduce_scatter_into", "all_reduce_sum")
@@ -380,7 +380,7 @@ class CollectiveCounter:
         self._saved = {}
 
     def __enter__(self) -> "CollectiveCounter":
-        from shardwise.engine import collectives
+        from shardwise.engine.base import collectives
         for name in self.NAMES:
             original = getattr(collectives, name)
             self._saved[name] = original
@@ -398,7 +398,7 @@ class CollectiveCounter:
         return self
 
     def __exit__(self, *exc) -> None:
-        from shardwise.engine import collectives
+        from shardwise.engine.base import collectives
         for name, original in self._saved.items():
             setattr(collectives, name, original)
 
@@ -407,7 +407,7 @@ def whole_model_rel_err(model: nn.Module, reference: nn.Module) -> float:
     """``||theta - theta_ref|| / ||theta_ref||`` over all parameters together, from the shards (see
     ``sharded_param_errors``): the metric for runs whose per-tensor errors are legitimately large on small
     tensors (bf16 rounding of near-cancelling sums)."""
-    from shardwise.engine.runtime import runtime_of
+    from shardwise.engine.core.runtime import runtime_of
 
     diff = torch.zeros(2, dtype=torch.float64)
     for unit in runtime_of(model).units:

@@ -7,6 +7,13 @@ plain model with no parallelism in it) and ``quant/`` (the 4-bit format, tensors
 above the engine may use. Two rules are spelled out because they are the ones that were broken: the
 engine imports nothing of shardwise but itself and ``errors``; ``checkpoint/`` imports neither the
 integrations (``hf/``, transformers, peft) nor the planner or the trainer.
+
+Inside the engine the same rule holds between its folders (``ENGINE_LAYERS``)::
+
+    engine.base  <  engine.checks  <  engine.core  <  engine.surface, and the engine's loose modules (api, ...)
+
+so the step (``core``) can be read and changed without the torch-API surface: it takes its parameters from
+a factory and hands gradients to a sink that ``shard()`` supplies from above.
 """
 
 from __future__ import annotations
@@ -29,6 +36,11 @@ ALLOWED["__main__"] = {"cli"}
 ROOT_IMPORTERS = {"__init__", "trainer", "cli"}
 THIRD_PARTY_FORBIDDEN = {"checkpoint": {"transformers", "peft"}, "engine": {"transformers", "peft"},
                          "optim": {"transformers", "peft"}}
+
+
+# The engine's folders, bottom up; each imports only itself and the folders before it (the loose modules of
+# engine/ and engine.surface sit above all of them and may import any).
+ENGINE_LAYERS = ["base", "checks", "core"]
 
 
 def _layer(module: str) -> str:
@@ -80,6 +92,31 @@ def _violations() -> list[str]:
     return found
 
 
+def _engine_layer(module: str):
+    """shardwise.engine.core.unit -> 'core'; None for a module outside the engine's layered folders."""
+    parts = module.split(".")
+    if len(parts) > 2 and parts[:2] == ["shardwise", "engine"] and parts[2] in ENGINE_LAYERS:
+        return parts[2]
+    return None
+
+
+def _engine_violations() -> list[str]:
+    found = []
+    for path in sorted((PACKAGE / "engine").rglob("*.py")):
+        module = _module_name(path)
+        layer = _engine_layer(module)
+        if layer is None:
+            continue
+        allowed = ENGINE_LAYERS[:ENGINE_LAYERS.index(layer) + 1]
+        for line, imported in _imports(path, module):
+            if imported.split(".")[:2] != ["shardwise", "engine"]:
+                continue
+            target = _engine_layer(imported) or ".".join(imported.split(".")[:3])
+            if target not in allowed:
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{line} (engine.{layer}) imports {imported}")
+    return list(dict.fromkeys(found))  # (one line per import statement)
+
+
 def test_every_module_belongs_to_a_layer():
     strays = sorted({_layer(_module_name(p)) for p in PACKAGE.rglob("*.py")} - set(ALLOWED) - {"__init__"})
     assert not strays, f"modules outside the layer list {LAYERS}: {strays}"
@@ -99,6 +136,27 @@ def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
     (engine / "bad.py").write_text("def f():\n    from shardwise.trainer import loop\n")
     monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path / "shardwise")
     assert _violations() == ["shardwise/engine/bad.py:2 (engine) imports shardwise.trainer"]
+
+
+def test_engine_folders_import_down():
+    """engine.core imports nothing of engine.surface (nor of the loose modules above it); engine.checks
+    nothing of engine.core or engine.surface; engine.base nothing of engine.checks, core or surface."""
+    violations = _engine_violations()
+    assert not violations, "engine imports that point up:\n" + "\n".join(violations)
+
+
+@pytest.mark.parametrize("layer, imported", [("core", "shardwise.engine.surface.pieces"),
+                                             ("base", "shardwise.engine.core.unit"),
+                                             ("checks", "shardwise.engine.surface.pieces"),
+                                             ("core", "shardwise.engine.api")])
+def test_the_checker_sees_an_engine_folder_importing_up(tmp_path, monkeypatch, layer, imported):
+    folder = tmp_path / "shardwise" / "engine" / layer
+    folder.mkdir(parents=True)
+    for init in (tmp_path / "shardwise", tmp_path / "shardwise" / "engine", folder):
+        (init / "__init__.py").write_text("")
+    (folder / "bad.py").write_text(f"def f():\n    import {imported}\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path / "shardwise")
+    assert _engine_violations() == [f"shardwise/engine/{layer}/bad.py:2 (engine.{layer}) imports {imported}"]
 
 
 @pytest.mark.parametrize("pair", [("checkpoint/export.py", "hf/export_lora.py"), ("trainer/config.py", "trainer/hf_args.py")])

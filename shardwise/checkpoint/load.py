@@ -28,7 +28,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from shardwise.engine import agree
+from shardwise.engine.checks import agree
 from shardwise.checkpoint.format import dtype_from_name
 from shardwise.checkpoint.match import alias_map, check_model, decode_option, saved_name_of
 from shardwise.checkpoint.model_index import optimizer_param_names, persistent_buffers, unique_params
@@ -81,7 +81,7 @@ def load_checkpoint(
     are: load them first (``shardwise.load_pretrained``) and pass their ``frozen_base`` record, which
     must name the same weights (identity and dtype), else this raises before touching anything.
     """
-    from shardwise.engine.runtime import runtime_of
+    from shardwise.engine.core.runtime import runtime_of
 
     ckpt = Path(path)
     rt = runtime_of(model)

@@ -32,7 +32,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from shardwise.engine import agree
+from shardwise.engine.checks import agree
 from shardwise.checkpoint.format import TMP_PREFIX, TRASH_PREFIX, fsync_dir
 from shardwise.checkpoint.load import load_checkpoint
 from shardwise.checkpoint.save import save_checkpoint

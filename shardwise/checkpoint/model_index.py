@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 from shardwise.errors import ShardwiseError
-from shardwise.engine.flat_group import FlatGroup
-from shardwise.engine.plan import ParamSpec
+from shardwise.engine.core.flat_group import FlatGroup
+from shardwise.engine.base.plan import ParamSpec
 from shardwise.engine.state_dict import persistent_buffers as engine_persistent_buffers
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.engine import agree
+from shardwise.engine.checks import agree
 from shardwise.checkpoint.commit import write_commit_record
 from shardwise.checkpoint.frozen_base import check_record
 from shardwise.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TMP_PREFIX, TRASH_PREFIX,
@@ -46,7 +46,7 @@ from shardwise.checkpoint.model_index import (frozen_dtype, optimizer_class_name
                                               persistent_buffers, trains, unique_params)
 from shardwise.checkpoint.values import encode, encode_scalar_tensor
 from shardwise.errors import ShardwiseError
-from shardwise.engine.optimizer_guard import STAMP_KEY
+from shardwise.engine.surface.optimizer_guard import STAMP_KEY
 
 PathLike = Union[str, os.PathLike]
 
@@ -71,7 +71,7 @@ def save_checkpoint(
     their identity): the parameters that do not require gradients are not stored, the record is; a load
     then needs the same base in the model (LoRA: the checkpoint holds the adapters only).
     """
-    from shardwise.engine.runtime import runtime_of
+    from shardwise.engine.core.runtime import runtime_of
 
     final = Path(path)
     rt = runtime_of(model)

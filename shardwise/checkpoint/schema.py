@@ -20,7 +20,7 @@ from shardwise.checkpoint.format import _DTYPE_NAMES, FORMAT_NAME, FORMAT_VERSIO
 from shardwise.checkpoint.frozen_base import check_record
 from shardwise.checkpoint.values import check_encoded
 from shardwise.errors import ShardwiseError
-from shardwise.engine.strategy import STRATEGY_NAMES
+from shardwise.engine.base.strategy import STRATEGY_NAMES
 
 MAX_WORLD_SIZE = 2**20
 MAX_DIMS = 16

@@ -1,30 +1,37 @@
 """The FSDP engine: everything that shards a model, gathers its units, reduces its gradients and checks that
-the ranks agree. It imports nothing of shardwise but itself and ``errors`` (tests/test_layering.py).
+the ranks agree. It imports nothing of shardwise but itself and ``errors``, and inside it the folders import
+down only (tests/test_layering.py)::
 
-Reading order of one training step (full_shard, the default), in five files:
+    base/ (layout, device, collectives)  <  checks/ (fingerprints)  <  core/ (the step)  <  surface/ (what
+    user code sees of parameters and gradients), and the loose modules here (shard(), clipping, state dicts)
 
-1. ``api.py``        ``shard()``: resolve the strategy and device, build the plan, allocate, fill, wire hooks.
-2. ``plan.py``       units -> flat groups (unit x dtype x requires_grad), offsets, padding: pure layout.
-3. ``flat_group.py`` one flat group's memory: the persistent ``shard``, the ``gathered`` buffer that
-                     ``unshard``/``reshard`` fill and free, ``reduce_grads`` into the gradient shard.
-4. ``unit.py``       a unit's hooks: enter (unshard, prefetch the next, bind views), exit (reshard),
-   ``runtime.py``    pre-backward (re-gather), post-backward (reduce-scatter); the model-wide state:
-                     phase, forward order, pending reductions, end of backward.
-5. ``collectives.py`` the torch.distributed calls and the one ``wait`` (through ``watchdog.py``).
+Reading order of one training step (full_shard, the default: checks on, no offload, a model with buffers;
+forward, backward, ``shardwise.clip_grad_norm_``, ``optimizer.step()``). The step enters these 21 files
+(tests/engine/test_reading_order.py traces one and holds this list to it):
 
-Then ``grad_norm.py`` (``clip_grad_norm_``) and the user's ``optimizer.step()`` on the shard parameters.
-torch's own APIs on those pieces: ``shard_grad.py`` (parameters and gradients whose norms span the ranks),
-``shard_param.py`` (the parameter type; autograd calls naming parameters), ``direct_grads.py`` (penalties
-computed from the parameters), ``optimizer_guard.py`` (which optimizers, whose state), ``param_hooks.py`` (``p.register_hook``).
-What users put around the model: ``wrapper_refusal.py`` (DDP, ``fully_shard``, pickling refused),
-``state_dict_stamps.py`` (``model.state_dict()`` / ``load_state_dict`` whose pieces), ``dcp_pieces.py``
-(torch.distributed.checkpoint of the pieces refused).
+ 1. ``base/plan.py``            units -> flat groups (unit x dtype x requires_grad), offsets, padding: pure layout
+ 2. ``core/flat_group.py``      one flat group's memory: the persistent ``shard``, the ``gathered`` buffer that
+                                ``begin_unshard``/``reshard`` fill and free, packing the gradients
+ 3. ``core/reduction.py``       one gradient reduction in flight: reduce-scatter, replicas, division, hand-out
+ 4. ``core/unit.py``            a unit's hooks: enter (unshard, prefetch the next, bind views), exit (reshard),
+                                pre-backward (re-gather), post-backward (reduce)
+ 5. ``core/runtime.py``         the model-wide state: phase, forward order, pending reductions, end of backward
+ 6. ``core/seams.py``           where the core takes its parameters from and hands its gradients to
+ 7. ``base/collectives.py``     the torch.distributed calls and the one ``wait`` ...
+ 8. ``base/watchdog.py``        ... through the stall watchdog
+ 9. ``base/torch_internals.py`` the torch internals the step relies on, one function each
+10. ``base/nested.py``          the tensors inside a unit's outputs (to hook them for backward)
+11. ``base/strategy.py``        the process groups and the data-parallel size
+12. ``checks/group_fingerprint.py`` how a flat group's collectives are fingerprinted ...
+13. ``checks/fingerprint.py``   ... and compared across ranks
+14. ``surface/shard_param.py``  the parameter factory: ``ShardParam``, what the core asks about it
+15. ``surface/grad_sink.py``    the gradient sink: ``.grad`` pieces, hooks, direct gradients
+16. ``surface/pieces.py``       the pieces' table (exact norms, ``local_only``)
+17. ``surface/param_hooks.py``  tensor hooks and post-accumulate-grad hooks at hand-out
+18. ``surface/direct_grads.py`` gradients that reached a parameter directly (a penalty)
+19. ``surface/optimizer_guard.py`` the optimizer step hooks
+20. ``buffer_broadcast.py``     rank 0's buffers before each forward
+21. ``grad_norm.py``            ``clip_grad_norm_``
 
-Around that path: ``fingerprint.py`` (every collective is fingerprinted, so ranks that disagree fail by
-name instead of hanging), ``watchdog.py`` (stall reports), ``agree.py`` (one error on every rank),
-``materialize.py`` (filling shards, meta init), ``mixed_precision.py``, ``cpu_offload.py`` +
-``offload_transfers.py`` + ``streams.py`` (CPU offload), ``activation_checkpoint.py``,
-``buffer_broadcast.py``, ``full_params.py`` / ``state_dict.py`` (whole parameters on demand),
-``logical_shapes.py`` (a shard's full name and shape), ``grad_scaler.py`` (fp16), ``strategy.py`` and
-``device.py`` (process groups, device, backend). docs/ARCHITECTURE.md draws it.
+``api.py`` builds all of it (``shard()``); docs/ARCHITECTURE.md draws the step and lists every file.
 """

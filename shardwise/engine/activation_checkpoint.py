@@ -15,7 +15,7 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from shardwise.engine.unit import Unit
+from shardwise.engine.core.unit import Unit
 
 
 def checkpoint_unit(unit: Unit) -> None:

@@ -9,21 +9,24 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.engine import device as devices, logical_shapes, materialize, optimizer_guard, state_dict_stamps
-from shardwise.engine.wrapper_refusal import refuse_wrappers
+from shardwise.engine.base import device as devices
+from shardwise.engine import materialize
+from shardwise.engine.surface import optimizer_guard, state_dict_stamps
+from shardwise.engine.surface.grad_sink import PieceGradSink
+from shardwise.engine.surface.wrapper_refusal import refuse_wrappers
 from shardwise.engine.buffer_broadcast import BufferBroadcast
 from shardwise.engine.activation_checkpoint import checkpoint_unit
-from shardwise.engine.fingerprint import CollectiveChecker, check_same_plan, checks_enabled
+from shardwise.engine.checks.fingerprint import check_same_plan, checks_enabled
 from shardwise.errors import ShardwiseError
-from shardwise.engine.flat_group import FlatGroup
-from shardwise.engine.mixed_precision import MixedPrecision
-from shardwise.engine.cpu_offload import CPUOffload
+from shardwise.engine.core.flat_group import FlatGroup
+from shardwise.engine.base.mixed_precision import MixedPrecision
+from shardwise.engine.base.cpu_offload import CPUOffload
 from shardwise.engine.offload_transfers import OffloadTransfers
-from shardwise.engine.param_hooks import adopt_tensor_hooks
-from shardwise.engine.plan import UnitsSpec, build_plan, entry_modules
-from shardwise.engine.runtime import STATE_ATTR, ModelRuntime, Unit, runtime_of
-from shardwise.engine.shard_param import warn_if_backward_inputs_unseen
-from shardwise.engine.strategy import Strategy, resolve_groups
+from shardwise.engine.surface.param_hooks import adopt_tensor_hooks
+from shardwise.engine.base.plan import UnitsSpec, build_plan, entry_modules
+from shardwise.engine.core.runtime import STATE_ATTR, ModelRuntime, Unit, runtime_of
+from shardwise.engine.surface.shard_param import ShardParamFactory, warn_if_backward_inputs_unseen
+from shardwise.engine.base.strategy import Strategy, resolve_groups
 
 def shard(
     model: nn.Module,
@@ -58,7 +61,7 @@ def shard(
         param_init_fn: initialises a module's own parameters when the model is on the meta device
             (default: ``module.reset_parameters()``).
         device: compute device; default: the parameters' accelerator, else ``cuda:<current>`` when the
-            process group moves CUDA tensors over NCCL, else CPU (``shardwise.engine.device.compute_device``).
+            process group moves CUDA tensors over NCCL, else CPU (``shardwise.engine.base.device.compute_device``).
         prefetch: start the next unit's all-gather before the current one computes.
         activation_checkpointing: recompute each (non-root) unit's activations in backward instead of
             keeping them.
@@ -84,30 +87,21 @@ def shard(
     is_meta = any(p.is_meta for p in model.parameters())
     plan = build_plan(model, units, pgs.shard_size)
     state_dict_keys = list(model.state_dict(keep_vars=True).keys())
-    flat_groups = {id(gp): FlatGroup(gp, pgs, compute_device, mp, offload, keep_gathered=strategy.keeps_params_gathered,
-                                     all_reduce_grads=strategy.all_reduces_grads)
-                   for gp in plan.groups()}
-    logical_shapes.register(flat_groups.values())  # shardwise.param_info(p): each shard parameter's logical shape
+    transfers = OffloadTransfers(compute_device, offload) if offload is not None else None
+    runtime = ModelRuntime(strategy, pgs, mp, prefetch, plan=plan, state_dict_keys=state_dict_keys,
+                           device=compute_device, transfers=transfers, check_collectives=checks_enabled())
+    # The core's two seams (core/seams.py): parameters from the surface's factory, gradients to its sinks.
+    factory = ShardParamFactory(pgs.shard, compute_device, runtime.checker)
+    flat_groups = {
+        id(gp): FlatGroup(gp, pgs, compute_device, mp, offload, strategy, factory=factory, transfers=transfers,
+                          sink=PieceGradSink(factory.piece_key, transfers, on_direct_grad=runtime.begin_backward),
+                          checker=runtime.checker, ids=(ui, gi))
+        for ui, up in enumerate(plan.units) for gi, gp in enumerate(up.groups)}
     warn_if_backward_inputs_unseen()  # a torch that cannot show us backward(inputs=...) says so once
     _fill(model, plan, list(flat_groups.values()), compute_device, sync_module_states, is_meta, param_init_fn)
-
-    runtime = ModelRuntime(strategy, pgs, mp, prefetch, plan=plan, state_dict_keys=state_dict_keys,
-                           device=compute_device)
-    if offload is not None:
-        runtime.transfers = OffloadTransfers(compute_device, offload)
-        runtime.before_forward.append(runtime.transfers.rotate)
-        for g in flat_groups.values():
-            g.transfers = runtime.transfers
-    if checks_enabled():
+    if runtime.checker is not None:
         check_same_plan(_describe_plan(plan, strategy, pgs), _world_if_many())
-        runtime.checker = CollectiveChecker([u.label for u in plan.units], lambda: runtime.phase.value,
-                                            lambda: runtime.forward_count)
-        for ui, up in enumerate(plan.units):
-            for gi, gp in enumerate(up.groups):
-                flat_groups[id(gp)].attach_checker(runtime.checker, ui, gi)
     runtime.units = [Unit(up, [flat_groups[id(gp)] for gp in up.groups], runtime) for up in plan.units]
-    for g in flat_groups.values():
-        g.direct.on_arrival = runtime.begin_backward  # a penalty's backward ends in end_backward too
     _install_hooks(model, runtime, activation_checkpointing)
     refuse_wrappers(model)  # DDP (Accelerate's prepare), fully_shard would redo the sharding on the pieces
     state_dict_stamps.install(model, runtime)  # model.state_dict() pieces say whose they are

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.engine import collectives
+from shardwise.engine.base import collectives
 class BufferBroadcast:
     """Callable run at the start of every top-level forward (``ModelRuntime.before_forward``)."""
 

@@ -19,13 +19,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.engine import collectives
+from shardwise.engine.base import collectives
 from shardwise.errors import ShardwiseError
-from shardwise.engine.unit import Frame, FrameKind, Phase, autograd_engine_running
+from shardwise.engine.base.torch_internals import autograd_engine_running
+from shardwise.engine.core.unit import Frame, FrameKind, Phase
 
 
 def _runtime(module: nn.Module):
-    from shardwise.engine.runtime import runtime_of
+    from shardwise.engine.core.runtime import runtime_of
 
     return runtime_of(module)
 

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.engine import collectives
-from shardwise.engine.flat_group import FlatGroup
-from shardwise.engine.runtime import ModelRuntime, runtime_of
-from shardwise.engine.shard_grad import local_only
+from shardwise.engine.base import collectives
+from shardwise.engine.core.flat_group import FlatGroup
+from shardwise.engine.core.runtime import ModelRuntime, runtime_of
+from shardwise.engine.surface.pieces import local_only
 from shardwise.errors import ShardwiseError
 
 

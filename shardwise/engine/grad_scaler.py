@@ -23,8 +23,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from shardwise.engine import collectives
-from shardwise.engine.device import compute_device
+from shardwise.engine.base import collectives
+from shardwise.engine.base.device import compute_device
 from shardwise.engine.logical_shapes import flat_group_of
 
 

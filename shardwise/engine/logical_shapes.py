@@ -17,10 +17,8 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
+from shardwise.engine.surface.shard_param import where_of
 from shardwise.errors import ShardwiseError
-
-_WHERE_ATTR = "_shardwise_where"  # on each shard parameter: (FlatGroup, index of the parameter in its plan)
-
 
 @dataclass(frozen=True)
 class ParamInfo:
@@ -46,18 +44,6 @@ class ParamInfo:
         return len(self.shape)
 
 
-def register(groups) -> None:
-    """Let each shard parameter of ``groups`` (FlatGroups) find its place in the plan (called by ``shard``)."""
-    for g in groups:
-        for i, p in enumerate(g.shard_params):
-            setattr(p, _WHERE_ATTR, (g, i))
-
-
-def where_of(p: torch.Tensor):
-    """``(FlatGroup, index)`` of a shard parameter, or None for any other tensor (a copy of one included)."""
-    return getattr(p, _WHERE_ATTR, None)
-
-
 def layout_of(p: torch.Tensor):
     """``(FlatGroup, index)`` of a shard parameter; a ShardwiseError for any other tensor."""
     where = where_of(p)
@@ -69,7 +55,7 @@ def layout_of(p: torch.Tensor):
 
 def flat_group_of(p: torch.Tensor):
     """The FlatGroup that shard parameter ``p`` belongs to, or None for any other tensor."""
-    where = getattr(p, _WHERE_ATTR, None)
+    where = where_of(p)
     return where[0] if where is not None else None
 
 

@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.engine import collectives
+from shardwise.engine.base import collectives
 from shardwise.errors import ShardwiseError
-from shardwise.engine.flat_group import FlatGroup, version_counter
+from shardwise.engine.base.torch_internals import resize_storage, version_counter
+from shardwise.engine.core.flat_group import FlatGroup
 from shardwise.engine.hf_init import hf_param_init_fn, is_hf_model
-from shardwise.engine.plan import ParamSpec
+from shardwise.engine.base.plan import ParamSpec
 
 
 def _specs_by_param(groups: list[FlatGroup]) -> dict[int, tuple[FlatGroup, int]]:
@@ -147,7 +148,7 @@ def fill_group_from_rank0(
     collectives.run_and_wait(dist.broadcast, full, src=0, what=f"rank 0's values of unit {group.plan.unit_fqn or '<root>'!r}")
     with torch.no_grad():
         group.shard.copy_(full.narrow(0, group.shard_start, group.plan.shard_numel))
-    full.untyped_storage().resize_(0)  # freed now, though collectives keep the finished work a while
+    resize_storage(full, 0)  # freed now, though collectives keep the finished work a while
 
 
 def fill_from_rank0(model: nn.Module, groups: list[FlatGroup], device: torch.device) -> None:

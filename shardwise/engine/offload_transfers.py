@@ -2,7 +2,7 @@
 
 Per sharded model (one per ``shard(..., offload=CPUOffload())``):
 
-* **device -> host.** When a unit's reduce-scatter finishes (``PendingReduce.finish``), its gradient shard
+* **device -> host.** When a unit's reduce-scatter finishes (``reduction.finish``), its gradient shard
   is copied into a pinned host buffer of the flat group (allocated once, reused every step) on the D2H
   side stream, and an event is recorded after the copy. Nothing on the host reads that buffer before the
   event is waited on: the *hand-out* (``.grad`` of each shard parameter becomes a view of it, or has it
@@ -33,9 +33,8 @@ from typing import Callable, Optional
 
 import torch
 
-from shardwise.engine.device import copy_streams
-from shardwise.engine.cpu_offload import CPUOffload
-from shardwise.engine.shard_grad import local_only
+from shardwise.engine.base.device import copy_streams
+from shardwise.engine.base.cpu_offload import CPUOffload
 
 
 class Landing:
@@ -85,9 +84,7 @@ class OffloadTransfers:
         """Start copying a reduced gradient shard to the host. ``final``: the group receives no other
         gradient in this backward (its optimizer step may start once this one lands)."""
         self._settle(group)  # an earlier gradient of this group is handed out first: it decides where this goes
-        with local_only():
-            has_grad = any(p.grad is not None for p in group.shard_params)
-        buffer = self._host_buffer(group, "incoming" if has_grad else "grad")
+        buffer = self._host_buffer(group, "incoming" if group.sink.has_grad(group) else "grad")
         self.d2h.wait_stream(self.streams.current_stream())  # the reduced shard is complete on the compute stream
         with self.streams.using(self.d2h):
             src = grad_shard if grad_shard.dtype == buffer.dtype else grad_shard.to(buffer.dtype)
@@ -107,7 +104,7 @@ class OffloadTransfers:
         or added to the ``.grad`` they hold)."""
         landing.event.synchronize()
         self.note("landed", landing.group)
-        landing.group.accumulate_grad_shard(landing.buffer)
+        landing.group.sink.accumulate(landing.group, landing.buffer)
 
     def _host_buffer(self, group, kind: str) -> torch.Tensor:
         key = (group, kind)

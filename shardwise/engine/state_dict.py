@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.engine import collectives
+from shardwise.engine.base import collectives
 from shardwise.errors import ShardwiseError
 from shardwise.engine.materialize import fill_group_from_rank0
 
@@ -46,7 +46,7 @@ def full_state_dict(model: nn.Module, *, trainable_only: bool = False) -> dict[s
     ``trainable_only``: only parameters with ``requires_grad`` (LoRA adapters), no buffers; the frozen
     groups are not even gathered. Every rank must call it: it communicates.
     """
-    from shardwise.engine.runtime import runtime_of
+    from shardwise.engine.core.runtime import runtime_of
 
     rt = runtime_of(model)
     rt.settle()
@@ -95,7 +95,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     """Load a full state dict into a sharded model. Rank 0's dict is what counts; other ranks may pass {}.
 
     Keys are checked on rank 0 and a mismatch raises ``ShardwiseError`` on every rank (no hang)."""
-    from shardwise.engine.runtime import runtime_of
+    from shardwise.engine.core.runtime import runtime_of
 
     rt = runtime_of(model)
     rt.settle()

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from shardwise.hf.presets import ARCH_PRESETS
 from shardwise.errors import ShardwiseError
 from shardwise.engine.hf_init import hf_param_init_fn
-from shardwise.engine.plan import no_split_classes
+from shardwise.engine.base.plan import no_split_classes
 from shardwise.models.gpt import GPT, PRESETS, Block, GPTConfig
 from shardwise.hf.pretrained import load_pretrained, skip_weight_init
 from shardwise.checkpoint.files import RUN_MODEL_FILES, copy_model_files

@@ -45,9 +45,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardwise.engine.runtime import STATE_ATTR
-from shardwise.engine import agree
-from shardwise.engine.host_memory import release_freed_host_memory
+from shardwise.engine.core.runtime import STATE_ATTR
+from shardwise.engine.checks import agree
+from shardwise.engine.base.host_memory import release_freed_host_memory
 from shardwise.errors import ShardwiseError
 from shardwise.engine.hf_init import hf_param_init_fn, is_hf_model
 from shardwise.hf.quantized_load import (COMPANIONS, QuantTarget, gather_absmax, load_prequantised, local_absmax,
@@ -94,7 +94,7 @@ def load_pretrained(model: nn.Module, directory: os.PathLike | str, *, rename: R
     if to_quantise:  # 4-bit weights stored in high precision: see quantized_load.py
         gather_absmax(to_quantise)
         agree.agreed(lambda: _quantise_on_load(directory, to_quantise), what)
-    release_freed_host_memory()  # the reads' and the quantiser's freed temporaries (engine/host_memory.py)
+    release_freed_host_memory()  # the reads' and the quantiser's freed temporaries (engine/base/host_memory.py)
     if unexpected and agree.rank() == 0:
         warnings.warn(f"{directory}: {len(unexpected)} tensor(s) in the files are not used by "
                       f"{type(model).__name__}: {', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}",

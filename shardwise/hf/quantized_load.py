@@ -27,7 +27,8 @@ import json
 from dataclasses import dataclass, field
 
 import torch
-from shardwise.engine import agree, collectives
+from shardwise.engine.checks import agree
+from shardwise.engine.base import collectives
 from shardwise.errors import ShardwiseError
 from shardwise.hf.weight_files import PretrainedWeights
 from shardwise.quant.codebooks import code_table, dynamic_map

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from shardwise.engine import collectives
+from shardwise.engine.base import collectives
 # (indices of the matrices, the whole matrices) -> their orthogonalised results, on the owner
 OrthogonalizeOwned = Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]]
 

@@ -26,7 +26,7 @@ import torch
 from shardwise.errors import ShardwiseError
 from shardwise.engine.logical_shapes import ParamInfo, layout_of, param_info
 from shardwise.optim import exchange
-from shardwise.engine.optimizer_guard import allow_optimizer
+from shardwise.engine.surface.optimizer_guard import allow_optimizer
 from shardwise.optim.newton_schulz import DEFAULT_COEFFICIENTS, DEFAULT_EPS, DEFAULT_STEPS, orthogonalize
 
 UseMuon = Callable[[str, ParamInfo], bool]

@@ -35,11 +35,11 @@ from typing import Iterable, Optional
 import torch
 import torch.nn as nn
 
-from shardwise.engine import optimizer_guard
+from shardwise.engine.surface import optimizer_guard
 from shardwise.engine.grad_norm import clip_coefficient, global_grad_norm, grad_norm_terms, group_grads, scale_grads
-from shardwise.engine.runtime import runtime_of
+from shardwise.engine.core.runtime import runtime_of
 from shardwise.errors import ShardwiseError
-from shardwise.engine.flat_group import post_accumulate_grad_hooks
+from shardwise.engine.surface.param_hooks import post_accumulate_grad_hooks
 
 
 def offload_optimizer(model: nn.Module, optimizer_cls: type, params: Optional[Iterable] = None, *,

@@ -12,8 +12,8 @@ import os
 from dataclasses import asdict
 from typing import Any, Optional, Sequence
 
-from shardwise.engine.mixed_precision import NAMED_DTYPES
-from shardwise.engine.strategy import ALIASES as STRATEGY_ALIASES, STRATEGY_NAMES
+from shardwise.engine.base.mixed_precision import NAMED_DTYPES
+from shardwise.engine.base.strategy import ALIASES as STRATEGY_ALIASES, STRATEGY_NAMES
 from shardwise.errors import ShardwiseError
 from shardwise.hf.model_spec import ModelError, ModelSpec, resolve_model
 from shardwise.hf.presets import ARCH_PRESETS

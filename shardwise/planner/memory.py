@@ -1,14 +1,14 @@
 """The per-rank memory plan of a training configuration, from the real sharding plan, with no processes and
 no memory (the arithmetic behind ``shardwise estimate-memory``; ``planner.cli`` is the command).
 
-The model is built on the meta device (shapes only) and handed to ``shardwise.engine.plan.build_plan`` with the
+The model is built on the meta device (shapes only) and handed to ``shardwise.engine.base.plan.build_plan`` with the
 shard size the strategy would use on N ranks: the flat-group sizes, padding included, are exactly those
 ``shardwise.shard`` would allocate. The engine's own rules size the rest: ``Strategy.shard_group_size``
 (how many ranks share a shard), ``named_policy`` (compute and reduce dtypes), ``gathered_aliases_shard``
 (when the gathered buffer is the shard itself) and ``ModelRuntime.MAX_GRAD_FLATS_ALIVE`` (gradient flats
 alive at once). Activations are measured on meta tensors (``planner.activations``).
 
-What is counted, per rank (see engine/flat_group.py for the buffer lifetimes)::
+What is counted, per rank (see engine/core/flat_group.py for the buffer lifetimes)::
 
     param shards      sum(shard_numel) x stored bytes per element (``_stored_bytes``)
     grad shards       trainable shard_numel x master dtype (shard_optim / ZeRO-1: the whole reduced
@@ -41,11 +41,11 @@ from typing import Optional
 
 import torch
 
-from shardwise.engine.flat_group import gathered_aliases_shard
-from shardwise.engine.mixed_precision import MixedPrecision, named_policy
-from shardwise.engine.plan import FlatGroupPlan, ShardingPlan, build_plan
-from shardwise.engine.runtime import ModelRuntime
-from shardwise.engine.strategy import Strategy
+from shardwise.engine.core.flat_group import gathered_aliases_shard
+from shardwise.engine.base.mixed_precision import MixedPrecision, named_policy
+from shardwise.engine.base.plan import FlatGroupPlan, ShardingPlan, build_plan
+from shardwise.engine.core.runtime import ModelRuntime
+from shardwise.engine.base.strategy import Strategy
 from shardwise.planner.activations import ActivationProfile, measure_activations, quiet_libraries
 
 MASTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardwise.engine.plan import ShardingPlan
+from shardwise.engine.base.plan import ShardingPlan
 from shardwise.hf.quantization import QuantSettings, quantize_model
 from shardwise.quant.experts import QUANT_MODULE_TYPES
 from shardwise.quant.format import DEQUANT_CHUNK

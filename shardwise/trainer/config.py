@@ -20,7 +20,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from shardwise.engine.strategy import ALIASES as STRATEGY_ALIASES, STRATEGY_NAMES
+from shardwise.engine.base.strategy import ALIASES as STRATEGY_ALIASES, STRATEGY_NAMES
 from shardwise.trainer.defaults import with_defaults
 from shardwise.usage import ConfigError
 

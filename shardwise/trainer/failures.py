@@ -14,8 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from shardwise.engine import flags
-from shardwise.engine.agree import describe_exception
+from shardwise.engine.base import flags
+from shardwise.engine.checks.agree import describe_exception
 from shardwise.errors import ShardwiseError
 from shardwise.trainer.config import ConfigError
 from shardwise.trainer.data import DataError

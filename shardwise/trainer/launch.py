@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from shardwise.engine.device import pick_backend
+from shardwise.engine.base.device import pick_backend
 
 # torchrun (and the elastic agent) export these to every worker; a bare `python -m shardwise` has neither.
 _TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"

@@ -29,10 +29,10 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import shardwise
-from shardwise.engine.collectives import run_and_wait
-from shardwise.engine.device import compute_device
-from shardwise.engine.mixed_precision import named_policy
-from shardwise.engine.runtime import runtime_of
+from shardwise.engine.base.collectives import run_and_wait
+from shardwise.engine.base.device import compute_device
+from shardwise.engine.base.mixed_precision import named_policy
+from shardwise.engine.core.runtime import runtime_of
 from shardwise.hf.model_spec import ModelSpec, lm_loss, resolve_model
 from shardwise.trainer import config as config_mod
 from shardwise.trainer import (

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.engine.collectives import run_and_wait
+from shardwise.engine.base.collectives import run_and_wait
 from shardwise.hf.model_spec import ModelSpec, lm_loss
 from shardwise.trainer.data import IGNORE_INDEX
 

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from shardwise.engine.collectives import run_and_wait
+from shardwise.engine.base.collectives import run_and_wait
 
 GIB = 1024**3
 

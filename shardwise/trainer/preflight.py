@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from shardwise.engine.device import nccl_usable, pick_backend
+from shardwise.engine.base.device import nccl_usable, pick_backend
 from shardwise.trainer.config import ConfigError, TrainConfig
 from shardwise.trainer.data import BYTE_VOCAB, DataError, open_splits, rank_bounds
 from shardwise.trainer.jsonl_data import check_files, is_jsonl_source, load_tokenizer

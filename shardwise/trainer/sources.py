@@ -55,7 +55,7 @@ def _sampler(pair: tuple[TokenStream, Optional[TokenStream]], cfg: TrainConfig, 
 def open_training_data(cfg: TrainConfig, rank: int, world: int) -> TrainingData:
     """This rank's samplers for ``cfg.data`` (collective for .jsonl data: see the module docstring)."""
     if jsonl_data.is_jsonl_source(cfg.data):
-        from shardwise.engine import agree
+        from shardwise.engine.checks import agree
         def build() -> None:
             if rank == 0:
                 token_cache.ensure_cache(cfg.data, cfg.model, cfg.val_fraction, cfg.out, cfg.progress)

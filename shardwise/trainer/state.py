@@ -85,7 +85,7 @@ def restore_training_state(run_dir: str, resume: str, model: nn.Module, optimize
     checkpoint yet returns (0, note). Collective; raises ShardwiseError on every rank for a checkpoint that
     is damaged or does not fit."""
     from shardwise.checkpoint import checkpoint_info, load_checkpoint
-    from shardwise.engine import agree
+    from shardwise.engine.checks import agree
 
     path = resume_path(run_dir, resume)
     if path is None:

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from harness import run_distributed
 from parity_utils import run_scenarios, scenario, spawn_once
-from shardwise.engine import collectives
-from shardwise.engine.fingerprint import SLOT, CollectiveChecker
+from shardwise.engine.base import collectives
+from shardwise.engine.checks.fingerprint import SLOT, CollectiveChecker
 
 WS = 3
 SIZES = (1, 5, 7)

@@ -110,7 +110,7 @@ def _upper_case_strategy_name() -> str:
     model = shardwise.shard(_gpt(), units={Block}, strategy="FULL_SHARD")
     x = torch.randint(0, VOCAB, (2, 8))
     gpt_loss(model, x, x).backward()
-    return shardwise.engine.runtime.runtime_of(model).strategy.value
+    return shardwise.engine.core.runtime.runtime_of(model).strategy.value
 
 
 def _errors_worker(rank, ws):

@@ -143,7 +143,7 @@ def _grad_norm_on_one_rank(rank: int, world: int) -> None:
 
 @pytest.mark.parametrize("variant", ["in_band", "native"])
 def test_a_gradient_norm_taken_on_one_rank_fails_on_every_rank_naming_it(variant):
-    """``p.grad`` of a sharded parameter is a piece whose norm is a collective (shard_grad.py). Called on
+    """``p.grad`` of a sharded parameter is a piece whose norm is a collective (surface/pieces.py). Called on
     every rank it is exact; called on rank 0 alone every rank raises the disagreement naming the gradient
     reduction: at the others' next compare (native collectives), or found by the stall watchdog's probe of
     every rank's recent collectives within seconds (in band: the others wait in their next gather), with no
@@ -212,7 +212,7 @@ def test_a_dead_rank_makes_the_others_fail_fast_not_after_the_timeout():
 
 
 def _agree(rank: int, world: int, strategy: str = "full_shard") -> tuple[int, int]:
-    from shardwise.engine.fingerprint import CollectiveChecker
+    from shardwise.engine.checks.fingerprint import CollectiveChecker
 
     torch.manual_seed(0)
     model = GPT(CFG)
@@ -222,7 +222,7 @@ def _agree(rank: int, world: int, strategy: str = "full_shard") -> tuple[int, in
 
         options["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     shardwise.shard(model, units={Block}, strategy=strategy, **options)
-    checker = shardwise.engine.runtime.runtime_of(model).units[0].flat_groups[0].checker
+    checker = shardwise.engine.core.runtime.runtime_of(model).units[0].flat_groups[0].checker
     separate = []
     original = CollectiveChecker.check
     CollectiveChecker.check = lambda self, *a: (separate.append(a), original(self, *a))[1]
@@ -254,7 +254,7 @@ def test_replica_all_reduces_carry_their_fingerprint_in_band_too(strategy, world
 def test_in_band_fingerprint_digits_survive_every_float_dtype(dtype):
     """The header is base-256 digits: exact in bf16 (8-bit significand) and wider, so a fingerprint read
     back from a summed buffer decodes to exactly what was sent, large element counts included."""
-    from shardwise.engine.fingerprint import SLOT, _decode, _encode
+    from shardwise.engine.checks.fingerprint import SLOT, _decode, _encode
 
     values = [3_000_000_000, 2, 70_000, 5, 987_654_321_012, 1]
     digits = torch.tensor(_encode(values), dtype=dtype) + torch.zeros(SLOT, dtype=dtype)
@@ -270,7 +270,7 @@ def _native_case(rank: int, world: int, scenario: str, out_dir: str) -> dict:
     """One scenario on a fresh model after one healthy step (SGD with momentum). Returns the error text (or
     None), whether the optimizer was reached after the divergent backward, and whether every parameter is
     still what the healthy step left."""
-    from shardwise.engine.runtime import runtime_of
+    from shardwise.engine.core.runtime import runtime_of
 
     torch.manual_seed(0)
     model = GPT(CFG)

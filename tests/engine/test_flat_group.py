@@ -21,9 +21,9 @@ import torch.nn as nn
 import shardwise
 from harness import run_distributed
 from parity_utils import assert_engine_clean, run_scenarios, scenario, spawn_once
-from shardwise.engine import collectives
-from shardwise.engine.fingerprint import SLOT
-from shardwise.engine.runtime import runtime_of
+from shardwise.engine.base import collectives
+from shardwise.engine.checks.fingerprint import SLOT
+from shardwise.engine.core.runtime import runtime_of
 
 GROUP_NUMELS = (25, 18)  # Linear(4, 5) and Linear(5, 3): weight + bias
 F32, BF16 = torch.float32, torch.bfloat16

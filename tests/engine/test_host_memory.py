@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from shardwise.engine.host_memory import _malloc_trim, release_freed_host_memory
+from shardwise.engine.base.host_memory import _malloc_trim, release_freed_host_memory
 
 
 def _rss() -> int:

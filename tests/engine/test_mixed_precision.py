@@ -29,7 +29,7 @@ from harness import run_distributed
 from models import Block, GPT, gpt_loss, tiny_gpt_config
 from parity_utils import (cast_reference, global_mean, local_slice, make_batches, make_optimizer, scalar_rel_err,
                           sharded_param_errors, spawn_once, whole_model_rel_err, worst)
-from shardwise.engine.runtime import runtime_of
+from shardwise.engine.core.runtime import runtime_of
 
 WORLD_SIZE = 2
 # ZeRO-2 gathers the bf16 copy once per step and keeps it: it must round exactly where full_shard does

@@ -10,7 +10,7 @@ from models import (TINY_GPT, WORLD_SIZES, Block, GPT, LoRABlock, LoRANet, MiniB
                     SharedAcrossUnits, tiny_gpt_config)
 from shardwise import ShardwiseError
 from shardwise.models.gpt import MLP
-from shardwise.engine.plan import build_plan, resolve_unit_modules
+from shardwise.engine.base.plan import build_plan, resolve_unit_modules
 
 
 def meta(factory):

@@ -20,7 +20,7 @@ from models import (Block, GPT, LoRABlock, LoRANet, MiniBlock, MixedDtypeBlock, 
                     SkippableGPT, forward_loss, gpt_loss, tiny_gpt_config)
 from parity_utils import (CollectiveCounter, assert_parity, is_sharded, local_slice, make_batches, parity_check,
                           rel_err, run_scenarios, scenario, simple_step, spawn_once)
-from shardwise.engine.runtime import runtime_of
+from shardwise.engine.core.runtime import runtime_of
 
 WORLD_SIZE = 3
 VOCAB = tiny_gpt_config().vocab_size

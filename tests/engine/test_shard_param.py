@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from shardwise.engine import shard_param
+from shardwise.engine.surface import shard_param
 
 
 @pytest.fixture

@@ -263,14 +263,14 @@ class _NativeCollectives:
 
     def __enter__(self):
         import os
-        from shardwise.engine import collectives
+        from shardwise.engine.base import collectives
         self.saved = os.environ.get("SHARDWISE_GLOO_NATIVE_COLLECTIVES")
         os.environ["SHARDWISE_GLOO_NATIVE_COLLECTIVES"] = "1"
         collectives._use_all_reduce_cache.clear()
 
     def __exit__(self, *exc):
         import os
-        from shardwise.engine import collectives
+        from shardwise.engine.base import collectives
         if self.saved is None:
             os.environ.pop("SHARDWISE_GLOO_NATIVE_COLLECTIVES", None)
         else:

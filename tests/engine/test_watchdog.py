@@ -23,7 +23,7 @@ import shardwise
 from harness import RankError, run_distributed
 from models import GPT, Block, gpt_loss, tiny_gpt_config
 from parity_utils import spawn_once
-from shardwise.engine import watchdog
+from shardwise.engine.base import watchdog
 PG_TIMEOUT_S = 120
 STALL_S = 4  # well above a loaded 2-core machine's scheduling skew between ranks
 STALL = {"SHARDWISE_STALL_S": str(STALL_S)}

@@ -36,7 +36,7 @@ from parity_utils import (
 )
 
 import shardwise
-from shardwise.engine.runtime import runtime_of
+from shardwise.engine.core.runtime import runtime_of
 
 STRATEGIES = ("shard_optim", "shard_optim_grad")
 STEPS = 3

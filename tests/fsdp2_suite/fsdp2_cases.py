@@ -277,7 +277,7 @@ def grad_sync(ctx, model, sync: bool):
 @contextlib.contextmanager
 def count_reduce_scatters(ctx):
     """Gradient reduce-scatters while active: ``.calls`` and ``.numel`` (elements sent, padding included).
-    Ours are counted at shardwise.engine.collectives (parity_utils.CollectiveCounter), FSDP2's at
+    Ours are counted at shardwise.engine.base.collectives (parity_utils.CollectiveCounter), FSDP2's at
     dist.reduce_scatter_single, which its default ReduceScatter calls."""
     if ctx.side == "shardwise":
         with CollectiveCounter() as c:

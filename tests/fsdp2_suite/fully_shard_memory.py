@@ -16,7 +16,7 @@ def gathered_bytes(ctx, model) -> int:
     """Bytes of full (unsharded) parameter storage alive now. Ours: every flat group's gathered buffer.
     FSDP2: every distinct storage behind its all-gather outputs and unsharded parameters."""
     if ctx.side == "shardwise":
-        from shardwise.engine.runtime import runtime_of
+        from shardwise.engine.core.runtime import runtime_of
 
         # The data part of each allocated buffer: the in-band fingerprint after it (fingerprint.py, a few
         # hundred bytes per unit) is no parameter memory.

@@ -33,7 +33,7 @@ from harness import run_distributed  # noqa: E402
 from parity_utils import (GLOBAL_BATCH, assert_parity, gather_objects, is_sharded, local_slice,  # noqa: E402
                           make_batches, max_over_ranks, parity_check, rel_err, routed_batches, run_scenarios,
                           scenario, spawn_once)
-from shardwise.engine.runtime import runtime_of  # noqa: E402
+from shardwise.engine.core.runtime import runtime_of  # noqa: E402
 
 HAVE_PEFT = importlib.util.find_spec("peft") is not None
 STEPS = 3

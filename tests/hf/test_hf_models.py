@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from harness import run_distributed  # noqa: E402
 from parity_utils import (assert_parity, is_sharded, make_batches, parity_check, run_scenarios,  # noqa: E402
                           scenario, spawn_once)
-from shardwise.engine.runtime import runtime_of  # noqa: E402
+from shardwise.engine.core.runtime import runtime_of  # noqa: E402
 
 WORLD_SIZE = 2
 STEPS = 3

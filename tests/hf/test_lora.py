@@ -61,7 +61,7 @@ def _logits(model, x):
 
 def _train(rank, ws, optimizer, base_dtype, out_dir=None):
     import shardwise
-    from shardwise.engine.runtime import runtime_of
+    from shardwise.engine.core.runtime import runtime_of
     from shardwise.hf.lora import LoraSettings, apply_lora, save_adapter, save_merged
     from shardwise.trainer.config import TrainConfig
     from shardwise.trainer.loop import build_optimizer

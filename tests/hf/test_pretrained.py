@@ -70,7 +70,7 @@ def _load_worker(rank, world, dirs):
         shardwise.load_pretrained(model, directory)
         with PretrainedWeights(directory) as w:
             itemsize = {k: info.dtype.itemsize for k, (_, info) in w.where.items()}
-        shard_elems = sum(hi - lo for g in shardwise.engine.runtime.runtime_of(model).flat_groups()
+        shard_elems = sum(hi - lo for g in shardwise.engine.core.runtime.runtime_of(model).flat_groups()
                           for lo, hi, _ in g.local_slices)
         assert_engine_clean(model, "after load_pretrained")
         torch.manual_seed(0)
@@ -313,7 +313,7 @@ def _memory_worker(rank, world, directory):
     shardwise.shard(model, param_init_fn=shardwise.skip_weight_init(model))
     shardwise.load_pretrained(model, directory)
     peak = status_bytes("VmHWM")
-    groups = [g for g in shardwise.engine.runtime.runtime_of(model).flat_groups()]
+    groups = [g for g in shardwise.engine.core.runtime.runtime_of(model).flat_groups()]
     return {"increase": peak - before, "baseline": before,
             "shard_bytes": sum(g.shard.numel() * g.shard.element_size() for g in groups),
             "largest_tensor": max(p.numel * 4 for g in groups for p in g.plan.params),

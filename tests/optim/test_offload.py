@@ -108,7 +108,7 @@ def _parity(rank, ws, strategy="full_shard", optimizer="adamw", clip=None, micro
 
 def _bookkeeping(rank, ws):
     """Three steps of the offload pipeline with its trace on: what each step did, in order."""
-    from shardwise.engine.runtime import runtime_of
+    from shardwise.engine.core.runtime import runtime_of
 
     model, opt = _offloaded("full_shard", "adamw", None)
     transfers = runtime_of(model).transfers

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from harness import run_distributed
-from shardwise.engine.runtime import ModelRuntime
+from shardwise.engine.core.runtime import ModelRuntime
 from shardwise.planner.memory import PlanInputs, plan_memory
 
 
@@ -40,7 +40,7 @@ def _measure_worker(rank, world, model_path, warm_path, batch, seq, ac, steps, e
     import torch
 
     import shardwise
-    from shardwise.engine.runtime import ModelRuntime, runtime_of
+    from shardwise.engine.core.runtime import ModelRuntime, runtime_of
     from shardwise.trainer.config import TrainConfig
     from shardwise.trainer.loop import build_optimizer, build_sharded_model
     from shardwise.hf.model_spec import lm_loss, resolve_model

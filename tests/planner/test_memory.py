@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from shardwise.engine.runtime import ModelRuntime
-from shardwise.engine.strategy import Strategy
+from shardwise.engine.core.runtime import ModelRuntime
+from shardwise.engine.base.strategy import Strategy
 from shardwise.planner.memory import PlanInputs, fewest_ranks_that_fit, plan_memory
 
 LLAMA_70B = dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,

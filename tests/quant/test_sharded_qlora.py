@@ -157,7 +157,7 @@ def _bytes_and_frozen(rank, ws):
     uint8 groups hold ~1/N of the quantised bytes per rank; after a step they have no gradient and no
     optimizer state."""
     import shardwise
-    from shardwise.engine.runtime import runtime_of
+    from shardwise.engine.core.runtime import runtime_of
     from shardwise.quant.linear import QuantLinear
 
     model = quantised_lora_model()
@@ -201,7 +201,7 @@ def _moe_expert_bytes(rank, ws):
     """Per rank, after a step of the sharded MoE model: its share of the experts' bytes and of all uint8
     bytes, and that the experts are uint8, frozen and gradient-free, and only the adapters train."""
     import shardwise
-    from shardwise.engine.runtime import runtime_of
+    from shardwise.engine.core.runtime import runtime_of
     from shardwise.quant.experts import QuantExperts
 
     model = moe_model()

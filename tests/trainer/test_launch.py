@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 
-from shardwise.engine.device import pick_backend
+from shardwise.engine.base.device import pick_backend
 from shardwise.trainer import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

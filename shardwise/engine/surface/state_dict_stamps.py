@@ -23,8 +23,8 @@ import hashlib
 import torch
 import torch.nn as nn
 
-from shardwise.engine import agree
-from shardwise.engine.dcp_pieces import mark_pieces
+from shardwise.engine.checks import agree
+from shardwise.engine.surface.dcp_pieces import mark_pieces
 from shardwise.engine.state_dict import _entries
 
 STAMP = "shardwise_pieces"  # the key in the root's state-dict metadata

@@ -16,10 +16,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from shardwise.engine import collectives
-from shardwise.engine.device import backend_for
-from shardwise.engine.fingerprint import SLOT, CollectiveChecker, Stamp
-from shardwise.engine.strategy import ProcessGroups
+from shardwise.engine.base import collectives
+from shardwise.engine.base.device import backend_for
+from shardwise.engine.checks.fingerprint import SLOT, CollectiveChecker, Stamp
+from shardwise.engine.base.strategy import ProcessGroups
 
 
 def carries_digits(dtype: torch.dtype) -> bool:
@@ -28,22 +28,11 @@ def carries_digits(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype in (torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
-class Unchecked:
-    """A flat group whose collectives are not fingerprinted (``SHARDWISE_CHECK_COLLECTIVES=0``): no room,
-    no stamp, a plain wait."""
+class GroupFingerprint:
+    """The fingerprints of one flat group's collectives, in band where the collective can carry them. A group
+    whose collectives are not checked has ``flat_group.Unchecked`` instead, with the same four names."""
 
-    checker: Optional[CollectiveChecker] = None
-    room_gathered = room_grad_flat = room_grad_shard = 0
-
-    def announce(self, op: str, numel: int, dtype: torch.dtype) -> Optional[Stamp]:
-        return None
-
-    def wait(self, work, what: str, stamp: Optional[Stamp], buffer: Optional[torch.Tensor]) -> None:
-        collectives.wait(work, what=what)
-
-
-class GroupFingerprint(Unchecked):
-    """The fingerprints of one flat group's collectives, in band where the collective can carry them."""
+    room_gathered = room_grad_flat = room_grad_shard = 0  # elements after each buffer's data, where in band
 
     def __init__(self, checker: CollectiveChecker, ids: tuple[int, int], pgs: ProcessGroups,
                  device: torch.device, dtype: torch.dtype, all_reduce_grads: bool):

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from shardwise.engine import collectives
+from shardwise.engine.base import collectives
 from shardwise.errors import ShardwiseError
 
 

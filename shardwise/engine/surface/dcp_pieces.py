@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from shardwise.engine import shard_grad
+from shardwise.engine.surface import pieces
 from shardwise.engine.logical_shapes import param_info
 from shardwise.errors import ShardwiseError
 
@@ -46,8 +46,8 @@ def mark_pieces(model: nn.Module, state_dict: dict, prefix: str) -> None:
             value = state_dict.get(key)
             if value is None or value is p:  # keep_vars=True: the parameter
                 continue
-            if isinstance(value, shard_grad.ShardPiece):  # p.detach() of a ShardParam: the same memory, plain here
-                value = state_dict[key] = shard_grad.strip(value)
+            if isinstance(value, pieces.ShardPiece):  # p.detach() of a ShardParam: the same memory, plain here
+                value = state_dict[key] = pieces.strip(value)
             elif type(value) is not torch.Tensor:
                 continue
             try:

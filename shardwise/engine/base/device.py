@@ -51,6 +51,12 @@ def backend_for(group, device: torch.device) -> str:
     return backends(group).get(torch.device(device).type, "")
 
 
+def moves_cuda_over_nccl(group=None) -> bool:
+    """Whether ``group`` moves CUDA tensors over NCCL on a machine that has CUDA: then the model computes on
+    the GPU by default, and a wait on a collective only orders the current CUDA stream."""
+    return backend_for(group, torch.device("cuda")) == "nccl" and torch.cuda.is_available()
+
+
 def compute_device(param_devices: Iterable[torch.device], group=None,
                    explicit: Optional[torch.device | str] = None) -> torch.device:
     """Where a sharded model computes: the explicit choice; else the device its parameters are on when that
@@ -61,7 +67,7 @@ def compute_device(param_devices: Iterable[torch.device], group=None,
     for d in param_devices:
         if d.type not in ("cpu", "meta"):
             return d if d.index is not None or d.type != "cuda" else torch.device("cuda", torch.cuda.current_device())
-    if backend_for(group, torch.device("cuda")) == "nccl" and torch.cuda.is_available():
+    if moves_cuda_over_nccl(group):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -77,7 +83,7 @@ def communication_device(group=None) -> torch.device:
 def copy_streams(device: torch.device):
     """Streams and events for host <-> ``device`` copies (streams.py): CUDA's own on a CUDA device, so
     offload copies overlap compute; synchronous host stand-ins anywhere else."""
-    from shardwise.engine import streams
+    from shardwise.engine.base import streams
     device = torch.device(device)
     if device.type == "cuda":
         return streams.CudaCopyStreams(device)

@@ -58,7 +58,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.engine import collectives, flags, watchdog
+from shardwise.engine.base import collectives, flags, watchdog
 from shardwise.errors import ShardwiseError
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast_buffers", "clip_grad_norm", "state_dict",

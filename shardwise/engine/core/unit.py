@@ -40,29 +40,21 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from shardwise.errors import ShardwiseError
-from shardwise.engine.flat_group import FlatGroup
-from shardwise.engine.mixed_precision import cast_floating
-from shardwise.engine.nested import iter_tensors
-from shardwise.engine.plan import UnitPlan
-from shardwise.engine.shard_grad import local_only
-from shardwise.engine.wrapper_refusal import refuse_deepcopy, refuse_pickle
+from shardwise.engine.core.flat_group import FlatGroup
+from shardwise.engine.base.mixed_precision import cast_floating
+from shardwise.engine.base.torch_internals import autograd_engine_running
+from shardwise.engine.base.nested import iter_tensors
+from shardwise.engine.base.plan import UnitPlan
+from shardwise.engine.core.copy_refusal import refuse_deepcopy, refuse_pickle
 
 if TYPE_CHECKING:
-    from shardwise.engine.runtime import ModelRuntime
+    from shardwise.engine.core.runtime import ModelRuntime
 
 
 class Phase(enum.Enum):
     IDLE = "idle"
     FORWARD = "forward"
     BACKWARD = "backward"
-
-
-def autograd_engine_running() -> bool:
-    """Whether this thread is executing a backward pass (a forward now is a recompute).
-
-    Private API, isolated here: ``torch._C._current_graph_task_id()`` is -1 outside the autograd engine
-    (checked on torch 2.11 and 2.13)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class BackwardTicket:
@@ -91,8 +83,7 @@ class UnshardParams(torch.autograd.Function):
         ctx.group, ctx.ticket = group, ticket
         ctx.set_materialize_grads(False)  # unused parameters arrive as None, not as zero tensors
         views = group.full_views()
-        with local_only():
-            frozen = [v for v, p in zip(views, group.shard_params) if not p.requires_grad]
+        frozen = [v for v, p in zip(views, group.shard_params) if not group.factory.requires_grad(p)]
         if frozen:  # frozen after shard(): no gradient is computed for it, none handed out
             ctx.mark_non_differentiable(*frozen)
         return tuple(views)
@@ -110,16 +101,71 @@ class FrameKind(enum.Enum):
     SUMMON = "summon"  # summon_full_params: full master-dtype parameters bound for a block of user code
 
 
+class UnitState(enum.Enum):
+    """Where a unit is, one member per situation (as FSDP2's ``TrainingState``): read from what its modules
+    are bound to and why (``Unit.state``: the innermost entry that bound views, else the backward's views,
+    else the shards). The first four have the parameters bound to full-shape views."""
+
+    FORWARD = "forward"  # an entry outside backward (its forward, or a module of it called alone): gathered views
+    RECOMPUTE = "recompute"  # its code re-runs inside backward (activation checkpointing), on the backward views
+    SUMMONED = "summoned"  # summon_full_params: full master-dtype parameters bound for a block of user code
+    BACKWARD = "backward"  # its backward runs: views bound from the pre-backward hook until backward_done
+    OWES_BACKWARD = "owes_backward"  # shards bound; a forward's backward is still owed (gathered or not: see
+    #                                 reshard_after_exit)
+    IDLE = "idle"  # shards bound, nothing owed: between steps (still gathered only where ZeRO-1/2 keep it)
+
+
+PARAMS_BOUND = frozenset({UnitState.FORWARD, UnitState.RECOMPUTE, UnitState.SUMMONED, UnitState.BACKWARD})
+_BOUND_BY = {FrameKind.FORWARD: UnitState.FORWARD, FrameKind.RECOMPUTE: UnitState.RECOMPUTE,
+             FrameKind.SUMMON: UnitState.SUMMONED}  # (a PASS entry binds nothing)
+
+
+def entry_kind(submodule: bool, in_backward: bool, params_bound: bool, entries_open: bool) -> FrameKind:
+    """What an entry into a unit is (see [Note: entries]):
+
+        submodule  params bound  in backward or entries open  ->  kind
+        yes        yes           yes                              PASS (an outer binding serves it)
+        otherwise, in backward                                    RECOMPUTE
+        otherwise                                                 FORWARD
+    """
+    if submodule and params_bound and (in_backward or entries_open):
+        return FrameKind.PASS
+    return FrameKind.RECOMPUTE if in_backward else FrameKind.FORWARD
+
+
+def reshard_after_exit(kind: FrameKind, failed: bool, grad_enabled: bool, outputs_hooked: bool,
+                       owed_backwards: int, params_bound: bool, reshards_after_forward: bool) -> bool:
+    """Whether a unit frees its gathered parameters when an entry of ``kind`` exits. ``params_bound``:
+    after the exit's rebind (another entry, or the backward, still binds views); ``owed_backwards``: counting
+    this forward's own; ``reshards_after_forward``: the strategy's choice (full_shard, not the root).
+
+        kind              params bound  failed  grad  outputs hooked  ->  reshard
+        PASS, RECOMPUTE   any           any     any   any                 no: it bound nothing / its backward is next
+        FORWARD, SUMMON   yes           any     any   any                 no: an outer entry or the backward uses them
+                          no            no      yes   yes                 reshards_after_forward (pre-backward
+                                                                          gathers again)
+                          no            otherwise                         owed_backwards == 0: nothing needs them
+                                                                          this step; else an output autograd
+                                                                          reaches without our hook would need
+                                                                          them before we knew: kept for the backward
+    """
+    if kind in (FrameKind.PASS, FrameKind.RECOMPUTE) or params_bound:
+        return False
+    if not failed and grad_enabled and outputs_hooked:
+        return reshards_after_forward
+    return owed_backwards == 0
+
+
 class Frame:
     """One entry into a unit still in progress."""
 
-    __slots__ = ("kind", "views", "ticket", "hooked", "outer_exc", "top_level")
+    __slots__ = ("kind", "views", "ticket", "inputs_signal_backward", "outer_exc", "top_level")
 
     def __init__(self, kind: FrameKind, outer_exc):
         self.kind = kind
         self.views: Optional[list] = None
         self.ticket: Optional[BackwardTicket] = None
-        self.hooked = False  # a frozen unit's inputs carry its post-backward signal
+        self.inputs_signal_backward = False  # a frozen unit's inputs carry its post-backward signal
         self.outer_exc = outer_exc  # the exception being handled around this call, if any (see exit)
         self.top_level = False  # the root forward that starts a step
 
@@ -189,16 +235,26 @@ class Unit:
     def bind_sharded(self) -> None:
         self.bind(None)
 
-    def rebind(self) -> None:
-        """Bind what the innermost live entry needs: its frame's views, else the backward views, else shards."""
+    def _binding(self) -> tuple[UnitState, Optional[list]]:
+        """The unit's state and the views it binds (None: the shards): the innermost live entry's views,
+        else the backward views, else the shards."""
         for f in reversed(self.frames):
             if f.views is not None:
-                self.bind(f.views)
-                return
-        self.bind(self.backward_views)
+                return _BOUND_BY[f.kind], f.views
+        if self.backward_views is not None:
+            return UnitState.BACKWARD, self.backward_views
+        return (UnitState.OWES_BACKWARD if self.owed_backwards else UnitState.IDLE), None
+
+    @property
+    def state(self) -> UnitState:
+        return self._binding()[0]
+
+    def rebind(self) -> None:
+        """Bind what the unit's state needs (``_binding``)."""
+        self.bind(self._binding()[1])
 
     def params_bound(self) -> bool:
-        return self.backward_views is not None or any(f.views is not None for f in self.frames)
+        return self.state in PARAMS_BOUND
 
     def check_intact(self) -> None:
         """Shard parameters must still be the views of the flat shard that shard() made them. A dtype
@@ -223,10 +279,9 @@ class Unit:
             if dtype is not None:
                 g.adopt_conversion(dtype)  # model.to(dtype) / .double() / .half(): follow it, as FSDP2 does
                 continue
-            p = g.shard_params[bad]
             raise ShardwiseError(
                 f"parameter {g.plan.params[bad].fqn!r} of unit {self.label!r} was changed after "
-                f"shardwise.shard() (now {p.dtype}, shape {tuple(p.shape)} on {p.device}; its shard is "
+                f"shardwise.shard() ({g.factory.describe(g.shard_params[bad])}; its shard is "
                 f"{g.plan.dtype} on {g.shard.device}): assigning p.data, converting only some parameters and "
                 f".to(device) are not supported on a sharded model; do them before shard(), load values with "
                 f"shardwise.load_full_state_dict or shardwise.summon_full_params(writeback=True)")
@@ -241,10 +296,11 @@ class Unit:
     def enter(self, args, kwargs, submodule: bool):
         m = self.runtime
         in_backward = autograd_engine_running()
-        if submodule and self.params_bound() and (in_backward or self.frames):
+        kind = entry_kind(submodule, in_backward, self.params_bound(), bool(self.frames))
+        if kind is FrameKind.PASS:
             self.frames.append(Frame(FrameKind.PASS, sys.exc_info()[1]))
             return None
-        frame = Frame(FrameKind.RECOMPUTE if in_backward else FrameKind.FORWARD, sys.exc_info()[1])
+        frame = Frame(kind, sys.exc_info()[1])
         if self.plan.is_root and not in_backward and not any(f.kind is FrameKind.FORWARD for f in self.frames):
             frame.top_level = True
             try:
@@ -274,7 +330,7 @@ class Unit:
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = cast_floating(args, mp.param_dtype), cast_floating(kwargs, mp.param_dtype)
         if frame.kind is FrameKind.FORWARD and frame.ticket is None and torch.is_grad_enabled():
-            frame.hooked = self._signal_when_input_grads_ready(args, kwargs)
+            frame.inputs_signal_backward = self._signal_when_input_grads_ready(args, kwargs)
         return args, kwargs
 
     def _signal_when_input_grads_ready(self, args, kwargs) -> bool:
@@ -296,26 +352,16 @@ class Unit:
             return None
         m = self.runtime
         self.rebind()
-        if frame.kind is FrameKind.RECOMPUTE:
-            return None  # its backward is next: keep the parameters gathered
-        if failed:
-            if not self.params_bound() and self.owed_backwards == 0:
-                self.reshard()
-        elif torch.is_grad_enabled():
-            if frame.ticket is not None or frame.hooked:
+        grad_enabled, outputs_hooked = torch.is_grad_enabled(), False
+        if frame.kind is not FrameKind.RECOMPUTE and not failed and grad_enabled:
+            if frame.ticket is not None or frame.inputs_signal_backward:
                 self.owed_backwards += 1  # backward_done will say when this forward's backward is over
             # Outputs that need a gradient: the unit's backward will run (a frozen unit too, when gradients
             # pass through it or through units inside it, e.g. a frozen root around trainable blocks).
-            hooked = self._hook_outputs(output)
-            if hooked:
-                if self.reshard_after_forward and not self.params_bound():
-                    self.reshard()  # the pre-backward hook gathers it again
-            elif frame.ticket is None and not self.params_bound() and self.owed_backwards == 0:
-                self.reshard()  # no gradient can reach it: nothing needs these parameters this step
-            # else: an output autograd reaches without our hook (not found inside the output object)
-            # would need the parameters before we knew: keep them gathered until the backward is done.
-        elif not self.params_bound() and self.owed_backwards == 0:
-            self.reshard()  # inference: nothing will need these parameters again this step
+            outputs_hooked = self._hook_outputs(output)
+        if reshard_after_exit(frame.kind, failed, grad_enabled, outputs_hooked, self.owed_backwards,
+                              self.params_bound(), self.reshard_after_forward):
+            self.reshard()
         if frame.top_level:
             if failed:
                 m.abandon_forward()

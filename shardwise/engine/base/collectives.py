@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from shardwise.engine import device as devices, flags, watchdog
+from shardwise.engine.base import device as devices, flags, watchdog
 from shardwise.errors import ShardwiseError
 
 # torch 2.13 deprecates the *_tensor names in favour of *_single; 2.11 (the GPU image) only has the old ones.
@@ -245,7 +245,7 @@ def _waits_on_cpu(group) -> bool:
     key = id(group)
     cached = _cpu_wait_cache.get(key)
     if cached is None:
-        cached = not ("nccl" in devices.backends(group).values() and torch.cuda.is_available())
+        cached = not devices.moves_cuda_over_nccl(group)
         _cpu_wait_cache[key] = cached
     return cached
 

@@ -149,7 +149,7 @@ def _groups_1d(strategy: Strategy, group) -> ProcessGroups:
 
 
 def _default_device_type() -> str:
-    from shardwise.engine.device import compute_device
+    from shardwise.engine.base.device import compute_device
 
     return compute_device([]).type
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from shardwise.engine.flags import STALL_S as ENV
+from shardwise.engine.base.flags import STALL_S as ENV
 
 GATHER_S = 5.0  # how long the reporting rank collects the others' lines
 

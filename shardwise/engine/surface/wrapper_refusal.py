@@ -86,22 +86,3 @@ def refuse_wrappers(model: nn.Module) -> None:
         m.__dict__[ATTR] = _RefuseDDP(type(m).__name__)
         if registry_key is not None:
             m.__dict__[registry_key] = _RefuseComposable(type(m).__name__)
-
-
-def refuse_pickle(self, protocol):
-    """``__reduce_ex__`` of the objects a sharded module reaches first (its units through their hooks, its
-    runtime): ``torch.save(model)`` / ``pickle.dumps(model)`` are refused by name instead of failing on a
-    ProcessGroup."""
-    raise ShardwiseError(
-        "torch.save(model) / pickle of a sharded model: its runtime holds process groups and its parameters "
-        "are this rank's shards. Save weights instead: torch.save(model.state_dict(), f'model-rank{rank}.pt') "
-        "per rank, shardwise.full_state_dict(model) on rank 0, or shardwise.save_checkpoint")
-
-
-def refuse_deepcopy(self, memo):
-    """``__deepcopy__`` of the same objects: the copy would share hooks, buffers and process groups."""
-    raise ShardwiseError(
-        "copy.deepcopy() of a sharded model: its parameters are this rank's shards and its runtime holds "
-        "process groups and gathered buffers. Copy the model before shardwise.shard() (and shard the copy "
-        "too), or keep copies of the shards: [p.detach().clone() for p in model.parameters()] (an EMA "
-        "updates them in place)")

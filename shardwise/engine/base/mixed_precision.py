@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from shardwise.engine.nested import map_tensors
+from shardwise.engine.base.nested import map_tensors
 
 
 @dataclass(frozen=True)

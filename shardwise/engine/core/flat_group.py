@@ -2,9 +2,10 @@
 
 Buffer lifetimes (N = shard group size, P = padded numel of the group)::
 
-    shard      P/N elements, master dtype, lives as long as the model. Each parameter's shard is an
-               nn.Parameter *view* of it, so the optimizer updates it in place and the next all-gather
-               reads the updated values with no copy-in.
+    shard      P/N elements, master dtype, lives as long as the model (a new one when a dtype conversion
+               is followed). Each parameter's piece of it is a plain 1-D view (``aliases``), which the
+               user-facing parameter holds (seams.py), so the optimizer updates the shard in place and
+               the next all-gather reads the updated values with no copy-in.
     gathered   P elements, compute dtype. Allocated by unshard (storage resized up), filled by one
                all-gather, freed by reshard (storage resized to 0). Module parameters are views of it
                (no copy-out). The storage object itself survives, so tensors autograd saved in forward
@@ -16,7 +17,8 @@ Buffer lifetimes (N = shard group size, P = padded numel of the group)::
     header     room after ``gathered``, ``grad flat`` and ``grad shard`` for the collective's in-band
                fingerprint, where it has one (``fingerprint``: group_fingerprint.py decides the room;
                the data path only leaves it).
-    grad shard P/N elements. The reduce-scatter output; each parameter's ``.grad`` is a view of it.
+    grad shard P/N elements. The reduce-scatter output (reduction.py); the sink makes each parameter's
+               ``.grad`` a view of it.
                ZeRO-1 (``all_reduce_grads``): the whole all-reduced gradient (P) stays alive behind these
                views, as ZeRO-1 keeps full gradients, until the ``.grad`` are dropped.
 """
@@ -31,20 +33,17 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from shardwise.engine import collectives
-from shardwise.engine.fingerprint import CollectiveChecker, Stamp
-from shardwise.engine.group_fingerprint import GroupFingerprint, Unchecked
+from shardwise.engine.base import collectives
+from shardwise.engine.base.cpu_offload import CPUOffload
+from shardwise.engine.base.mixed_precision import MixedPrecision
+from shardwise.engine.base.plan import FlatGroupPlan
+from shardwise.engine.base.strategy import ProcessGroups, Strategy
+from shardwise.engine.checks.fingerprint import CollectiveChecker, Stamp
+from shardwise.engine.checks.group_fingerprint import GroupFingerprint
+from shardwise.engine.core import reduction
+from shardwise.engine.base.torch_internals import resize_storage, version_counter
+from shardwise.engine.core.seams import GradSink, ParamFactory
 from shardwise.errors import ShardwiseError
-from shardwise.engine.mixed_precision import MixedPrecision
-from shardwise.engine.cpu_offload import CPUOffload
-from shardwise.engine.direct_grads import DirectGrads, accumulate_into_grad
-from shardwise.engine.param_hooks import (full_grad, has_tensor_hooks, hooked_piece, post_accumulate_grad_hooks,
-                                          refuse_under_no_sync, run_post_accumulate_grad_hooks, tensor_hooks)
-from shardwise.engine.pending_reduce import PendingReduce
-from shardwise.engine.plan import FlatGroupPlan
-from shardwise.engine.shard_grad import local_only, register_group
-from shardwise.engine.shard_param import make_shard_param
-from shardwise.engine.strategy import ProcessGroups
 
 
 class GatherState(enum.Enum):
@@ -52,6 +51,20 @@ class GatherState(enum.Enum):
     GATHERING = "gathering"  # all-gather issued, not yet waited on
     GATHERED = "gathered"
     FAILED = "failed"  # the all-gather's wait raised before it completed: the buffer is never freed or reused
+
+
+class Unchecked:
+    """How a flat group's collectives go when they are not fingerprinted (``SHARDWISE_CHECK_COLLECTIVES=0``):
+    no room, no stamp, a plain wait. ``checks.group_fingerprint.GroupFingerprint`` has the same four names."""
+
+    checker: Optional[CollectiveChecker] = None
+    room_gathered = room_grad_flat = room_grad_shard = 0
+
+    def announce(self, op: str, numel: int, dtype: torch.dtype) -> Optional[Stamp]:
+        return None
+
+    def wait(self, work, what: str, stamp: Optional[Stamp], buffer: Optional[torch.Tensor]) -> None:
+        collectives.wait(work, what=what)
 
 
 class FlatGroup:
@@ -62,41 +75,46 @@ class FlatGroup:
         device: torch.device,
         mixed_precision: MixedPrecision,
         offload: Optional[CPUOffload],
-        keep_gathered: bool = False,
-        all_reduce_grads: bool = False,
+        strategy: Strategy,
+        *,
+        factory: Optional[ParamFactory] = None,
+        sink: Optional[GradSink] = None,
+        transfers=None,
+        checker: Optional[CollectiveChecker] = None,
+        ids: tuple[int, int] = (0, 0),
     ):
         self.plan = plan
-        self.wants_kept_gathered = keep_gathered  # ZeRO-1/2: see strategy.Strategy.keeps_params_gathered
-        self.all_reduce_grads = all_reduce_grads and groups.shard is not None  # ZeRO-1
+        self.strategy = strategy
+        self.all_reduce_grads = strategy.all_reduces_grads and groups.shard is not None  # ZeRO-1
         self.pgs = groups  # the process groups it shards and replicates over
-        # Parameters are ShardParams and gradients ShardGrads (exact under torch's norms) where the shard group
-        # has ranks; key 0 (no shard group): whole tensors (shard_param.py, shard_grad.py).
-        self.grad_key = register_group(groups.shard, device) if groups.shard is not None else 0
         self.device = device
         self.offload = offload
-        self.transfers = None  # offload_transfers.OffloadTransfers of the model, set by shard() under offload
+        self.transfers = transfers  # offload_transfers.OffloadTransfers of the model under CPU offload
         self.mixed_precision = mixed_precision
+        # The user-facing parameters come from the factory, and their gradients go to the sink (seams.py).
+        self.factory = factory if factory is not None else ParamFactory()
+        self.sink = sink if sink is not None else GradSink(transfers)
+        self.checker = checker  # fingerprint.CollectiveChecker of the model, when collectives are checked
+        self.ids = ids  # (unit index, group index within the unit)
         start, end = plan.shard_range(groups.shard_rank)
         self.shard_start = start
         self.local_slices: list[tuple[int, int, int]] = []  # per param: (lo, hi) in the param, offset in shard
         for spec in plan.params:
             lo, hi = spec.local_range(start, end)
             self.local_slices.append((lo, hi, spec.offset + lo - start if hi > lo else 0))
-        self.shard_params: list[nn.Parameter] = [
-            make_shard_param(torch.empty(0, dtype=plan.dtype), self.grad_key, spec.requires_grad) for spec in plan.params]
-        self.direct = DirectGrads()  # gradients that reach the parameters directly (a penalty): direct_grads.py
-        # The autograd input of this group's UnshardParams (runtime.py): an empty leaf that needs a gradient.
+        # The autograd input of this group's UnshardParams (unit.py): an empty leaf that needs a gradient.
         self.grad_anchor = torch.empty(0, device=device, requires_grad=True)
         # How this group's collectives are fingerprinted, and the room they need after the data.
-        self.fingerprint: Unchecked = Unchecked()
+        self.fingerprint: "Unchecked | GroupFingerprint" = Unchecked()
+        self.shard_params: list[nn.Parameter] = []  # the user-facing parameters (the factory's), in plan order
         self._allocate(plan.dtype, [None] * len(plan.params))
+        if checker is not None:
+            self._make_fingerprint()
         self._gather_work = None
         self._gather_src: Optional[torch.Tensor] = None  # keeps a cast/moved shard alive during the collective
         self._gather_stamp: Optional[Stamp] = None
         self._unsynced_grad: Optional[torch.Tensor] = None  # no_sync accumulation, unsharded, reduce dtype
-        self._unsynced_marks: list = []  # (param, its grad, grad's version) handed out with it: see the Note
         self._warned_frozen = False
-        self.ids = (0, 0)  # (unit index, group index within the unit)
 
     def _allocate(self, dtype: torch.dtype, values: list[Optional[torch.Tensor]]) -> None:
         """(Re)build the shard in master ``dtype`` and the gathered buffer in its compute dtype; each shard
@@ -112,17 +130,19 @@ class FlatGroup:
         else:
             self.shard = torch.empty(plan.shard_numel, dtype=dtype, device=self.device)
         self.shard.zero_()  # padding stays zero forever: checksums and exports are deterministic
-        with local_only():
-            for p, (lo, hi, at), value in zip(self.shard_params, self.local_slices, values):
-                piece = self.shard.narrow(0, at, hi - lo)
-                if value is not None:
-                    piece.copy_(value)
-                p.data = piece
-            # Where each shard parameter's data must stay: a conversion after shard() (model.half(), p.data =
-            # ...) moves it, and forward would silently keep computing with the flat shard (see changed_param).
-            # The storage, not the data pointer: a rank's empty piece has data_ptr 0 whatever it points into, and
-            # the verdict must be the same on every rank (one rank raising alone would leave the others waiting).
-            self._param_homes = [_home(p) for p in self.shard_params]
+        # The core's own handle on each parameter: a plain 1-D view of the shard (this rank's piece). The
+        # user-facing parameter must keep holding it: a conversion after shard() (model.half(), p.data = ...)
+        # moves its data, and forward would silently keep computing with the flat shard (see changed_param).
+        self.aliases = [self.shard.narrow(0, at, hi - lo) for lo, hi, at in self.local_slices]
+        for alias, value in zip(self.aliases, values):
+            if value is not None:
+                alias.copy_(value)
+        if not self.shard_params:
+            self.shard_params = [self.factory.make(self, i, alias, spec.requires_grad)
+                                 for i, (alias, spec) in enumerate(zip(self.aliases, plan.params))]
+        else:
+            for p, alias in zip(self.shard_params, self.aliases):
+                self.factory.rehome(p, alias)
 
         # With one rank per shard group, no cast and no offload, the "gathered" buffer *is* the shard:
         # nothing to communicate and nothing to free (no_shard / DDP).
@@ -137,18 +157,16 @@ class FlatGroup:
             # counter, so refilling the buffer in backward does not trip autograd's check that saved
             # tensors (views of `gathered`) were not modified in place.
             self.state = GatherState.SHARDED
-            self._make_writer()
+            self._make_gathered_alias()
         # ZeRO-1/2 keep the gathered buffer across steps (nothing to keep when it is the shard itself).
-        self.keep_gathered = self.wants_kept_gathered and not self.aliases_shard
+        self.keep_gathered = self.strategy.keeps_params_gathered and not self.aliases_shard
         self.refresh_due = True  # the gathered buffer does not hold the shard's current values
         if self.keep_gathered:
             _KEPT_GATHERED.add(self)
-            _refresh_after_optimizer_steps()
 
     def shard_version(self) -> tuple:
         """Changes whenever the shard is written in place (optimizer step, load, user code under no_grad)."""
-        with local_only():
-            return (version_counter(self.shard),) + tuple(version_counter(p) for p in self.shard_params)
+        return (version_counter(self.shard),) + tuple(self.factory.version(p) for p in self.shard_params)
 
     def kept_copy_differs(self) -> bool:
         """ZeRO-1/2, this rank's view: whether the kept gathered buffer no longer holds what gathering the
@@ -167,16 +185,16 @@ class FlatGroup:
         """The floating dtype every shard parameter was converted to after shard() by ``model.to(dtype)``,
         ``.double()``, ``.half()`` (same device, same shape, new storage), or None if that is not what
         happened. Rank-independent: dtype, device and shape are the same on every rank."""
-        dtypes = {p.dtype for p in self.shard_params}
-        if len(dtypes) != 1:
+        converted = self._converted_values()
+        return converted[0].dtype if converted else None
+
+    def _converted_values(self) -> Optional[list[torch.Tensor]]:
+        values = [self.factory.converted(p, alias) for p, alias in zip(self.shard_params, self.aliases)]
+        if any(v is None for v in values) or len({v.dtype for v in values}) != 1:
             return None
-        (dtype,) = dtypes
-        if dtype == self.plan.dtype or not dtype.is_floating_point or not self.plan.dtype.is_floating_point:
+        if not values[0].dtype.is_floating_point or not self.plan.dtype.is_floating_point:
             return None
-        for p, (lo, hi, _) in zip(self.shard_params, self.local_slices):
-            if p.device != self.shard.device or tuple(p.shape) != (hi - lo,):
-                return None
-        return dtype
+        return values
 
     def adopt_conversion(self, dtype: torch.dtype) -> None:
         """Follow a whole-model dtype conversion made after shard() (as torch FSDP2 does): a new flat
@@ -184,41 +202,32 @@ class FlatGroup:
         Called at a step boundary (the group is sharded, or kept gathered, with no collective in flight)."""
         assert self.aliases_shard or self.state is GatherState.SHARDED or (
             self.keep_gathered and self.state is GatherState.GATHERED), self.state
-        values = [p.detach() for p in self.shard_params]
-        grads = [p.grad for p in self.shard_params]
+        values = self._converted_values()
+        assert values is not None and values[0].dtype == dtype, "adopt_conversion without a conversion"
         self._allocate(dtype, values)
-        for p, g in zip(self.shard_params, grads):
-            p.grad = None if g is None else g.to(dtype)
+        self.sink.convert(self, dtype)
         if self._unsynced_grad is not None:
             self._unsynced_grad = self._unsynced_grad.to(self.reduce_dtype)
         if self.checker is not None:
-            self.attach_checker(self.checker, *self.ids)  # the room depends on the new compute dtype
+            self._make_fingerprint()  # the room depends on the new compute dtype
 
-    @property
-    def checker(self) -> Optional[CollectiveChecker]:
-        return self.fingerprint.checker
-
-    def _make_writer(self) -> None:
+    def _make_gathered_alias(self) -> None:
         """Collectives write through a second tensor on the gathered storage, the data plus the in-band
         fingerprint's room: it has its own version counter, so refilling the buffer in backward does not trip
         autograd's check that saved tensors (views of `gathered`) were not modified in place."""
         numel = self.plan.padded_numel + self.fingerprint.room_gathered
-        self._writer = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
+        self.gathered_alias = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
             self.gathered.untyped_storage(), 0, (numel,), (1,))
         if self.state is not GatherState.GATHERED:
-            self.gathered.untyped_storage().resize_(0)  # set_ grew the storage to fit: free it again
+            resize_storage(self.gathered, 0)  # set_ grew the storage to fit: free it again
 
-    def attach_checker(self, checker: CollectiveChecker, unit_index: int, group_index: int) -> None:
-        """Fingerprint every collective of this group from now on (group_fingerprint.py)."""
-        self.ids = (unit_index, group_index)
-        if self.grad_key:  # reductions of the pieces (p.grad.norm(), p.norm()) are checked by this model's checker
-            self.grad_key = register_group(self.pgs.shard, self.device, checker)
-            for p in self.shard_params:
-                p._shard_key = self.grad_key
-        self.fingerprint = GroupFingerprint(checker, self.ids, self.pgs, self.device, self.param_dtype,
+    def _make_fingerprint(self) -> None:
+        """Fingerprint every collective of this group (group_fingerprint.py); the room it needs after the
+        data depends on the compute dtype."""
+        self.fingerprint = GroupFingerprint(self.checker, self.ids, self.pgs, self.device, self.param_dtype,
                                             self.all_reduce_grads)
         if not self.aliases_shard:
-            self._make_writer()
+            self._make_gathered_alias()
 
     def _what(self, op: str) -> str:
         return f"{op} of unit {self.plan.unit_fqn or '<root>'!r} ({self.plan.dtype}, {self.plan.padded_numel} elements)"
@@ -226,15 +235,13 @@ class FlatGroup:
     # ---- parameters -------------------------------------------------------------------------------
     def any_requires_grad(self) -> bool:
         """Read at every forward: parameters may be frozen or unfrozen after shard()."""
-        with local_only():
-            return any(p.requires_grad for p in self.shard_params)
+        return any(self.factory.requires_grad(p) for p in self.shard_params)
 
     def changed_param(self) -> Optional[int]:
         """Index of the first shard parameter whose data is no longer its piece of the flat shard, or None."""
-        with local_only():
-            for i, (p, home) in enumerate(zip(self.shard_params, self._param_homes)):
-                if _home(p) != home:
-                    return i
+        for i, (p, alias) in enumerate(zip(self.shard_params, self.aliases)):
+            if not self.factory.is_intact(p, alias):
+                return i
         return None
 
     def full_views(self) -> list[torch.Tensor]:
@@ -265,8 +272,7 @@ class FlatGroup:
             self.state = GatherState.SHARDED  # ZeRO-1/2 after a step: refill the kept buffer
         if self.state is not GatherState.SHARDED:
             return
-        storage = self.gathered.untyped_storage()
-        storage.resize_((self.plan.padded_numel + self.fingerprint.room_gathered) * self.param_dtype.itemsize)
+        resize_storage(self.gathered, (self.plan.padded_numel + self.fingerprint.room_gathered) * self.param_dtype.itemsize)
         src = self.shard
         if self.transfers is not None:
             src = self.transfers.shard_on_device(self)  # copied ahead on a side stream; waited here
@@ -275,11 +281,11 @@ class FlatGroup:
         if src.dtype != self.param_dtype:
             src = src.to(self.param_dtype)
         if self.pgs.shard is None:
-            self._writer.copy_(src)
+            self.gathered_alias.copy_(src)
         else:
             stamp = self.fingerprint.announce("all_gather", self.plan.padded_numel, self.param_dtype)
             self._gather_work = collectives.all_gather_into(
-                self._writer, src, self.pgs.shard, async_op=True, header=stamp.header if stamp else None)
+                self.gathered_alias, src, self.pgs.shard, async_op=True, header=stamp.header if stamp else None)
             self._gather_src, self._gather_stamp = src, stamp
         self.state = GatherState.GATHERING
         self.refresh_due = False
@@ -289,7 +295,7 @@ class FlatGroup:
             work, stamp = self._gather_work, self._gather_stamp
             self._gather_work = self._gather_src = self._gather_stamp = None
             try:
-                self.fingerprint.wait(work, self._what("all_gather"), stamp, self._writer)
+                self.fingerprint.wait(work, self._what("all_gather"), stamp, self.gathered_alias)
             except BaseException:
                 # A stalled or mismatched all-gather may still write into the buffer: never free it, and
                 # never wait on it a second time (a failed forward's always-called exit reshards).
@@ -303,15 +309,16 @@ class FlatGroup:
         self.wait_unshard()  # never free memory a collective is still writing into
         if self.keep_gathered:
             return  # ZeRO-1/2: kept until the next step's first unshard refills it
-        self.gathered.untyped_storage().resize_(0)
+        resize_storage(self.gathered, 0)
         self.state = GatherState.SHARDED
 
     # ---- gradients --------------------------------------------------------------------------------
-    def reduce_grads(self, grads: Sequence[Optional[torch.Tensor]], sync: bool) -> Optional[PendingReduce]:
-        """Pack this group's unsharded gradients and start their reduce-scatter (or keep them, under no_sync)."""
-        if not self._warned_frozen and not all(p.requires_grad for p in self.shard_params):
+    def reduce_grads(self, grads: Sequence[Optional[torch.Tensor]], sync: bool) -> Optional[reduction.Reduction]:
+        """Pack this group's unsharded gradients and start their reduction (reduction.py), or keep them
+        unreduced under no_sync."""
+        if not self._warned_frozen and not all(self.factory.requires_grad(p) for p in self.shard_params):
             self._warned_frozen = True
-            frozen = [s.fqn for s, p in zip(self.plan.params, self.shard_params) if not p.requires_grad]
+            frozen = [s.fqn for s, p in zip(self.plan.params, self.shard_params) if not self.factory.requires_grad(p)]
             warnings.warn(
                 f"shardwise: {len(frozen)} parameter(s) of unit {self.plan.unit_fqn or '<root>'!r} (first "
                 f"{frozen[0]!r}) were frozen after shard() while others in their flat group still train: they "
@@ -331,99 +338,36 @@ class FlatGroup:
             flat.add_(self._unsynced_grad)
             self._unsynced_grad = None
         if not sync:
-            refuse_under_no_sync(self)
+            self.sink.begin_unsynced(self)
             self._unsynced_grad = flat
-            self.mark_unsynced()
+            self.sink.mark_unsynced(self)
             return None
-        dp = self.pgs.data_parallel_size
-        # Low-precision sums divide first so they cannot overflow; fp32 divides once at the end, which
-        # keeps results closest to a single-process mean over the global batch.
-        pre_divide = self.reduce_dtype.itemsize < 4 and dp > 1
-        if pre_divide:
-            flat.div_(dp)
-        if self.pgs.shard is None:
-            return PendingReduce(self, None, buffer, self.plan.padded_numel, None, divide_by=1 if pre_divide else dp)
-        if self.all_reduce_grads:
-            # ZeRO-1: every rank gets the whole summed gradient; its grad shard is a view of its chunk.
-            stamp = self.fingerprint.announce("all_reduce", self.plan.padded_numel, self.reduce_dtype)
-            work = collectives.all_reduce_sum(buffer, self.pgs.shard, async_op=True,
-                                              header=stamp.header if stamp else None)
-            return PendingReduce(self, buffer, buffer, self.plan.shard_numel, work, divide_by=1 if pre_divide else dp,
-                                 stamp=stamp, op="all_reduce", out_offset=self.shard_start)
-        out_buffer = torch.empty(self.plan.shard_numel + self.fingerprint.room_grad_shard, dtype=self.reduce_dtype,
-                                 device=self.device)
-        out = out_buffer.narrow(0, 0, self.plan.shard_numel)
-        stamp = self.fingerprint.announce("reduce_scatter", self.plan.padded_numel, self.reduce_dtype)
-        work = collectives.reduce_scatter_into(out, buffer, self.pgs.shard, async_op=True,
-                                               header=stamp.header if stamp else None)
-        return PendingReduce(self, buffer, out_buffer, self.plan.shard_numel, work,
-                             divide_by=1 if pre_divide else dp, stamp=stamp)
-
-    def accumulate_grad_shard(self, grad_shard: torch.Tensor) -> None:
-        """Give each trainable shard parameter its piece of ``grad_shard`` (a view, so grads stay one flat
-        buffer), then run its post-accumulate-grad hooks as autograd would have."""
-        if self.checker is not None and any(post_accumulate_grad_hooks(p) for p in self.shard_params):
-            # Optimizer in backward: a hook may step now, so the ranks agree first (fingerprint.py).
-            self.checker.agree("the consistency exchange before a post-accumulate-grad hook")
-        if grad_shard.dtype != self.plan.dtype or grad_shard.device != self.shard.device:
-            grad_shard = grad_shard.to(device=self.shard.device, dtype=self.plan.dtype)
-        full = full_grad(self, grad_shard) if has_tensor_hooks(self) else None  # (param_hooks.py)
-        for p, (lo, hi, at), spec in zip(self.shard_params, self.local_slices, self.plan.params):
-            with local_only():
-                trainable, hooked = p.requires_grad, full is not None and bool(tensor_hooks(p))
-            if not trainable:
-                continue  # frozen after shard(): autograd would give it no gradient either
-            if hooked:  # (user code: runs with pieces' rules on)
-                piece = hooked_piece(p, spec, full, lo, hi).to(grad_shard.device)
-            else:
-                piece = grad_shard.narrow(0, at, hi - lo)
-            accumulate_into_grad(p, piece, self.grad_key)
-            run_post_accumulate_grad_hooks(p)
+        return reduction.start(self, buffer)
 
     # [Note: the no_sync accumulator follows p.grad] Under no_sync the gradient accumulates unsharded,
     # here, not in ``p.grad``. Its lifetime follows the handles the user holds: each trainable shard
     # parameter gets a ``p.grad`` (zeros until the synced backward adds the reduced gradient to it) and the
     # accumulator lives only while every one of those is still the same tensor, unwritten. So
     # ``optimizer.zero_grad()`` (to None, or zeroed in place), ``p.grad = None`` or any write to the
-    # gradients drops the accumulated micro-batches, as in plain torch and DDP.
-    def mark_unsynced(self) -> None:
-        marks = []
-        with local_only():
-            for p in self.shard_params:
-                if p.requires_grad:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    marks.append((p, p.grad, version_counter(p.grad)))
-        self._unsynced_marks = marks
-
+    # gradients drops the accumulated micro-batches, as in plain torch and DDP. The sink hands the
+    # ``p.grad`` out and knows whether they are still held (``GradSink.mark_unsynced`` / ``unsynced_held``).
     def has_unsynced_grad(self) -> bool:
-        with local_only():
-            if self._unsynced_grad is not None and any(
-                    p.grad is not grad or version_counter(grad) != v for p, grad, v in self._unsynced_marks):
-                self._unsynced_grad = None  # the user dropped or rewrote the gradients it belonged to
+        if self._unsynced_grad is not None and not self.sink.unsynced_held(self):
+            self._unsynced_grad = None  # the user dropped or rewrote the gradients it belonged to
         return self._unsynced_grad is not None
 
 
 # ZeRO-1/2 groups alive in this process: an optimizer step makes their gathered buffers stale.
 _KEPT_GATHERED: "weakref.WeakSet[FlatGroup]" = weakref.WeakSet()
-_refresh_hook_installed = False
 
 
-def _refresh_after_optimizer_steps() -> None:
-    """Any ``torch.optim.Optimizer`` step marks every kept gathered buffer for a refill at its next unshard.
-    All ranks step together, so the verdict is the same on every rank (a rank-local signal such as the
-    version counters alone could make one rank all-gather while another does not)."""
-    global _refresh_hook_installed
-    if _refresh_hook_installed:
-        return
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    def mark_stale(optimizer, args, kwargs) -> None:
-        for g in list(_KEPT_GATHERED):
-            g.refresh_due = True
-
-    register_optimizer_step_post_hook(mark_stale)
-    _refresh_hook_installed = True
+def mark_kept_copies_stale() -> None:
+    """Any ``torch.optim.Optimizer`` step marks every kept gathered buffer for a refill at its next unshard
+    (the process-wide step post-hook, installed with the pre-hook in surface/optimizer_guard.py). All ranks
+    step together, so the verdict is the same on every rank (a rank-local signal such as the version
+    counters alone could make one rank all-gather while another does not)."""
+    for g in list(_KEPT_GATHERED):
+        g.refresh_due = True
 
 
 def gathered_aliases_shard(shard_size: int, master_dtype: torch.dtype, compute_dtype: torch.dtype,
@@ -432,13 +376,3 @@ def gathered_aliases_shard(shard_size: int, master_dtype: torch.dtype, compute_d
     one rank per shard group, no cast to a compute dtype, and the shard on the compute device. The memory
     planner asks the same question."""
     return shard_size == 1 and compute_dtype == master_dtype and not offloaded
-
-
-def version_counter(t: torch.Tensor) -> int:
-    """Autograd's in-place version counter of ``t`` (bumped by every in-place op on it or a view of it).
-    Private attribute ``Tensor._version``, isolated here (checked on torch 2.11 and 2.13)."""
-    return t._version
-
-
-def _home(p: torch.Tensor) -> tuple:
-    return p.untyped_storage().data_ptr(), p.storage_offset(), p.dtype, p.device

@@ -1,4 +1,7 @@
-"""What every ``torch.optim.Optimizer`` step over shard parameters checks (process-wide step hooks).
+"""What happens around every ``torch.optim.Optimizer`` step: the process-wide step hooks, both here.
+
+After a step, every gathered copy of a shard kept across steps (ZeRO-1/2) is refilled at its next unshard
+(``flat_group.mark_kept_copies_stale``). Before it, what a step over shard parameters checks:
 
 A shard parameter is one rank's 1-D piece of a parameter. An optimizer steps it exactly as it would the
 whole only if it updates each element from that element's own values and the optimizer's scalars: the
@@ -34,14 +37,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from shardwise.engine import collectives
+from shardwise.engine.base import collectives
+from shardwise.engine.core.flat_group import mark_kept_copies_stale
+from shardwise.engine.surface.shard_param import where_of
 from shardwise.errors import ShardwiseError
 
 STAMP_KEY = "shardwise_piece"
 # optimizer -> its _Guard; beside the optimizer, not in it: a guard holds flat groups (and through them
 # process groups), which copy.deepcopy(optimizer) or pickling it must not meet.
 _GUARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_WHERE_ATTR = "_shardwise_where"  # logical_shapes: (FlatGroup, index) on every shard parameter
 
 # Verified elementwise per element (torch 2.13 sources): every per-parameter tensor of state has the
 # parameter's shape and is updated from the same element of param/grad/state; the rest are scalars that
@@ -104,7 +108,7 @@ def _examine(optimizer) -> _Guard:
             raise ShardwiseError(
                 f"{type(optimizer).__name__} holds parameter {fqn!r} from before shardwise.shard(); "
                 f"build the optimizer after shard() from model.parameters()")
-        where = getattr(p, _WHERE_ATTR, None)
+        where = where_of(p)
         if where is not None:  # a shard parameter: 1-D, a piece of the whole even for a group of one rank
             pieces.append((i, p) + tuple(where))
     cls = type(optimizer)
@@ -129,7 +133,7 @@ def _is_wrapper(optimizer) -> bool:
 
 def stamp_of(p: torch.Tensor) -> Optional[int]:
     """The identity of this rank's piece of shard parameter ``p``: name, element range, full size."""
-    where = getattr(p, _WHERE_ATTR, None)
+    where = where_of(p)
     if where is None:
         return None
     group, i = where
@@ -165,7 +169,7 @@ def verify_state(optimizer, guard: _Guard) -> None:
     bad = int(verdict[0])
     if bad:
         params = _params(optimizer)
-        where = getattr(params[bad - 1], _WHERE_ATTR)
+        where = where_of(params[bad - 1])
         fqn = where[0].plan.params[where[1]].fqn
         detail = why if bad == first_bad else "on another rank of its shard group (see that rank's error)"
         raise ShardwiseError(
@@ -231,6 +235,10 @@ def before_step(optimizer, args, kwargs) -> None:
         guard.state = optimizer.state
 
 
+def after_step(optimizer, args, kwargs) -> None:
+    mark_kept_copies_stale()
+
+
 _installed = False
 
 
@@ -239,7 +247,8 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     register_optimizer_step_pre_hook(before_step)
+    register_optimizer_step_post_hook(after_step)
     _installed = True

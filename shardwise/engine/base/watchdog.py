@@ -64,8 +64,8 @@ from typing import Callable, Optional, Union
 
 import torch.distributed as dist
 
-from shardwise.engine import flags
-from shardwise.engine.stall_report import GATHER_S, render
+from shardwise.engine.base import flags
+from shardwise.engine.base.stall_report import GATHER_S, render
 from shardwise.errors import ShardwiseError
 
 ENV = flags.STALL_S

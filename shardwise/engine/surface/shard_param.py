@@ -7,11 +7,11 @@ Two kinds of torch code would take the piece for the whole:
 - **Reductions over the parameters themselves**: weight-norm logging (``get_total_norm(model.parameters())``,
   ``parameters_to_vector(model.parameters()).norm()``, ``p.norm()``, ``p.abs().max()``), an L2 penalty
   written by hand (``loss + wd * sum(p.pow(2).sum() for p in model.parameters())``). A ``ShardParam`` is a
-  ``shard_grad.ShardPiece``: the one table there decides, for parameters as for gradients, what is exact
+  ``pieces.ShardPiece``: the one table there decides, for parameters as for gradients, what is exact
   (one all-reduce per call), what follows the piece and what is refused. Exact sums and finite-order norms
   are differentiable: each rank's piece gets its single-process gradient, which autograd accumulates into
   ``p.grad`` before the engine adds the reduced gradient of the rest of the loss
-  (``FlatGroup.accumulate_grad_shard``).
+  (``grad_sink.PieceGradSink.accumulate``).
 - **Autograd calls that name parameters as inputs**: a shard's gradient arrives through its unit's
   reduce-scatter (``UnshardParams``' backward, whose autograd input is the group's ``grad_anchor``), not
   through an autograd edge, so torch would find no path to it. ``torch.autograd.backward(..., inputs=)``
@@ -32,14 +32,36 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from shardwise.engine.logical_shapes import where_of
-from shardwise.engine.shard_grad import (_EXACT, _FOLLOWS_PIECE, _FOREACH_TYPES, ShardPiece, as_piece, local_only,
-                                         register_foreach_types, strip)
+from shardwise.engine.base.torch_internals import version_counter
+from shardwise.engine.core.seams import ParamFactory
+from shardwise.engine.surface.pieces import (_EXACT, _FOLLOWS_PIECE, _FOREACH_TYPES, ShardPiece, as_piece, local_only,
+                                             register_foreach_types, register_group, strip)
 from shardwise.errors import ShardwiseError
+
+
+class PieceInfo:
+    """What a shard parameter knows about itself (its one back-pointer, ``p._shardwise_piece``): its
+    ``FlatGroup`` and its index in the group's plan (None for a copy, which belongs to no group), and the
+    ``piece_key`` under which its reductions find their shard group (pieces.py; 0: a group of one rank)."""
+
+    __slots__ = ("group", "index", "key")
+
+    def __init__(self, group, index: Optional[int], key: int):
+        self.group, self.index, self.key = group, index, key
+
+
+_INFO_ATTR = "_shardwise_piece"
+
+
+def where_of(p: torch.Tensor):
+    """``(FlatGroup, index)`` of a shard parameter, or None for any other tensor (a copy of one included)."""
+    info = getattr(p, _INFO_ATTR, None)
+    return None if info is None or info.group is None else (info.group, info.index)
 
 
 class ShardParam(ShardPiece, nn.Parameter):
@@ -70,20 +92,59 @@ class ShardParam(ShardPiece, nn.Parameter):
         if id(self) not in memo:
             with local_only():
                 data = self.detach().clone()
-            memo[id(self)] = make_shard_param(data, self._shard_key, self.requires_grad)
+            memo[id(self)] = make_shard_param(data, PieceInfo(None, None, self._shard_key), self.requires_grad)
         return memo[id(self)]
+
+    @property
+    def _shard_key(self) -> int:  # (pieces.py reads every piece's key here)
+        info = getattr(self, _INFO_ATTR, None)
+        return 0 if info is None else info.key  # 0: a ShardParam made by other code (type(p)(data)) is whole
 
 
 _FOREACH_TYPES.append(ShardParam)
 
 
-def make_shard_param(data: torch.Tensor, key: int, requires_grad: bool) -> ShardParam:
-    """A ``ShardParam`` over ``data``; ``key`` is its shard group's (0: a group of one rank, whole tensors).
-    ``logical_shapes.register`` then tells it its FlatGroup (``where_of``), which hands out its gradients."""
+def make_shard_param(data: torch.Tensor, info: PieceInfo, requires_grad: bool) -> ShardParam:
+    """A ``ShardParam`` over ``data``, placed by ``info``."""
     register_foreach_types()
     p = ShardParam(data, requires_grad=requires_grad)
-    p._shard_key = key
+    setattr(p, _INFO_ATTR, info)
     return p
+
+
+class ShardParamFactory(ParamFactory):
+    """The parameters of a sharded model are ``ShardParam`` objects (core/seams.py: the interface). Reads of their
+    own state go around the piece's rules (``local_only``): no Python dispatch, no collective."""
+
+    def __init__(self, shard_group, device: torch.device, checker=None):
+        # Reductions of the pieces (p.grad.norm(), p.norm()) run over the shard group, checked by the model's
+        # checker; key 0 (no shard group): the pieces are whole tensors.
+        self.piece_key = register_group(shard_group, device, checker) if shard_group is not None else 0
+
+    def make(self, group, index: int, alias: torch.Tensor, requires_grad: bool) -> ShardParam:
+        p = make_shard_param(torch.empty(0, dtype=alias.dtype), PieceInfo(group, index, self.piece_key), requires_grad)
+        self.rehome(p, alias)  # (its own version counter: see ParamFactory.make)
+        return p
+
+    def rehome(self, p: torch.Tensor, alias: torch.Tensor) -> None:
+        with local_only():
+            p.data = alias
+
+    def requires_grad(self, p: torch.Tensor) -> bool:
+        with local_only():
+            return p.requires_grad
+
+    def version(self, p: torch.Tensor) -> int:
+        with local_only():
+            return version_counter(p)
+
+    def is_intact(self, p: torch.Tensor, alias: torch.Tensor) -> bool:
+        with local_only():
+            return super().is_intact(p, alias)
+
+    def converted(self, p: torch.Tensor, alias: torch.Tensor) -> Optional[torch.Tensor]:
+        with local_only():
+            return super().converted(p, alias)
 
 
 # [Note: gradients that reach a parameter directly] Maths on a shard parameter under grad mode (a penalty
@@ -123,7 +184,7 @@ class _DirectGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if grad is not None:
-            ctx.group.direct.add(ctx.index, grad)
+            ctx.group.sink.direct.add(ctx.index, grad)
         return None, None, None, None
 
 

@@ -1,7 +1,7 @@
 """Gradients that reach a shard parameter directly, not through its unit's reduction: a penalty computed from
 the parameter itself (see [Note: gradients that reach a parameter directly] in shard_param.py). Each flat
-group holds them during backward; the end of backward adds them to ``p.grad``, after the reduced gradients,
-so autograd never writes a shard gradient in the middle of backward."""
+group's sink holds them during backward; the end of backward adds them to ``p.grad``, after the reduced
+gradients, so autograd never writes a shard gradient in the middle of backward."""
 
 from __future__ import annotations
 
@@ -9,31 +9,19 @@ from typing import Callable, Optional
 
 import torch
 
-from shardwise.engine.param_hooks import post_accumulate_grad_hooks, tensor_hooks
-from shardwise.engine.shard_grad import ShardGrad, as_shard_grad, local_only
+from shardwise.engine.surface.param_hooks import post_accumulate_grad_hooks, tensor_hooks
+from shardwise.engine.surface.pieces import local_only
 from shardwise.errors import ShardwiseError
-
-
-def accumulate_into_grad(p: torch.Tensor, piece: torch.Tensor, key: int) -> None:
-    """``p.grad += piece``, a ``ShardGrad`` where the shard group has ranks (``key``): the one way shardwise
-    writes the gradient of a shard parameter."""
-    with local_only():
-        if p.grad is None:
-            p.grad = as_shard_grad(piece, key) if key else piece
-            return
-        if key and not isinstance(p.grad, ShardGrad):  # (a zeros handed out under no_sync, a user's tensor)
-            p.grad = as_shard_grad(p.grad, key)
-        p.grad.add_(piece)
 
 
 class DirectGrads:
     """One flat group's direct gradients of the running backward, by parameter index."""
 
-    def __init__(self):
+    def __init__(self, on_arrival: Optional[Callable[[], None]] = None):
         self.pending: dict[int, torch.Tensor] = {}
-        # The runtime's begin_backward (set by shard()): a backward that reaches only a penalty still ends
-        # with ModelRuntime.end_backward, which hands these out.
-        self.on_arrival: Optional[Callable[[], None]] = None
+        # The runtime's begin_backward: a backward that reaches only a penalty still ends with
+        # ModelRuntime.end_backward, which hands these out.
+        self.on_arrival = on_arrival
 
     def add(self, index: int, grad: torch.Tensor) -> None:
         """From the autograd engine (shard_param._DirectGrad.backward)."""
@@ -45,8 +33,9 @@ class DirectGrads:
     def drop(self) -> None:
         self.pending = {}
 
-    def hand_out(self, group) -> None:
-        """At the end of backward: add each to its parameter's ``p.grad`` (every rank alike)."""
+    def hand_out(self, group, sink) -> None:
+        """At the end of backward: add each to its parameter's ``p.grad`` through the group's ``sink`` (every
+        rank alike)."""
         if not self.pending:
             return
         pending, self.pending = self.pending, {}
@@ -58,7 +47,9 @@ class DirectGrads:
                 f"backward: the step ran without it; compute the penalty inside the model's forward")
         for i in pending:
             p = group.shard_params[i]
-            if tensor_hooks(p) or post_accumulate_grad_hooks(p):
+            with local_only():
+                hooked = bool(tensor_hooks(p) or post_accumulate_grad_hooks(p))
+            if hooked:
                 raise ShardwiseError(
                     f"parameter {group.plan.params[i].fqn!r} has a tensor hook or a post-accumulate-grad hook and a "
                     f"gradient reached it directly (a penalty computed from the parameter itself after shard()): "
@@ -69,6 +60,6 @@ class DirectGrads:
             p = group.shard_params[i]
             with local_only():
                 grad = grad.to(device=p.device, dtype=p.dtype).clone(memory_format=torch.contiguous_format)
-            accumulate_into_grad(p, grad, group.grad_key)
+            sink.add_grad(p, grad)
         if accumulating:
-            group.mark_unsynced()  # the engine wrote these gradients itself: the no_sync marks move with them
+            sink.mark_unsynced(group)  # the engine wrote these gradients itself: the no_sync marks move with them

@@ -17,12 +17,16 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from shardwise.engine import collectives, watchdog
-from shardwise.engine.pending_reduce import PendingReduce
-from shardwise.engine.mixed_precision import MixedPrecision
-from shardwise.engine.strategy import ProcessGroups, Strategy
-from shardwise.engine.unit import FrameKind, Phase, Unit
-from shardwise.engine.wrapper_refusal import refuse_deepcopy, refuse_pickle
+from shardwise.engine.base import collectives, watchdog
+from shardwise.engine.core import reduction
+from shardwise.engine.core.reduction import Reduction
+from shardwise.engine.base.mixed_precision import MixedPrecision
+from shardwise.engine.base.strategy import ProcessGroups, Strategy
+from shardwise.engine.base.torch_internals import call_after_backward
+from shardwise.engine.checks.fingerprint import CollectiveChecker
+from shardwise.engine.core.flat_group import GatherState
+from shardwise.engine.core.unit import FrameKind, Phase, Unit
+from shardwise.engine.core.copy_refusal import refuse_deepcopy, refuse_pickle
 from shardwise.errors import ShardwiseError
 
 
@@ -35,7 +39,8 @@ class ModelRuntime:
     MAX_GRAD_FLATS_ALIVE = MAX_PENDING_REDUCES + 1
 
     def __init__(self, strategy: Strategy, groups: ProcessGroups, mixed_precision: MixedPrecision, prefetch: bool,
-                 *, plan=None, state_dict_keys: Optional[list[str]] = None, device: Optional[torch.device] = None):
+                 *, plan=None, state_dict_keys: Optional[list[str]] = None, device: Optional[torch.device] = None,
+                 transfers=None, check_collectives: bool = False):
         self.strategy = strategy
         self.pgs = groups  # the process groups it shards and replicates over
         self.mixed_precision = mixed_precision
@@ -44,21 +49,23 @@ class ModelRuntime:
         self.phase = Phase.IDLE
         self.require_grad_sync = True
         self.forward_count = 0  # top-level forwards so far (micro-batches count one each)
-        self.before_forward: list = []  # callables run at the start of every top-level forward
+        # Callables run at the start of every top-level forward (CPU offload: the last step's request order).
+        self.before_forward: list = [transfers.rotate] if transfers is not None else []
         self._order: list[Unit] = []  # units in entry order, from the last completed forward
         self._last_index: dict[int, int] = {}
         self._recording: list[Unit] = []
         self._on_track = False  # this forward so far matches the recorded order
-        self._pending: deque[PendingReduce] = deque()
-        # Set by shard() once the flat groups exist:
-        self.checker = None  # fingerprint.CollectiveChecker, when the check is on
-        self.transfers = None  # offload_transfers.OffloadTransfers, under CPU offload
+        self._pending: deque[Reduction] = deque()
+        self.transfers = transfers  # offload_transfers.OffloadTransfers, under CPU offload
+        # Every collective of the model fingerprinted (fingerprint.py), when the check is on.
+        self.checker = CollectiveChecker([u.label for u in plan.units], lambda: self.phase.value,
+                                         lambda: self.forward_count) if check_collectives else None
         self.plan = plan  # plan.ShardingPlan: the units, groups and parameters (checkpoints read it)
         self.state_dict_keys = state_dict_keys  # the model's state_dict names before sharding (state_dict.py)
         self.device = device  # the compute device
 
     # copy.deepcopy(model) and torch.save(model) reach this through every submodule's attribute: refused by
-    # name instead of failing on a ProcessGroup pickle (wrapper_refusal.py).
+    # name instead of failing on a ProcessGroup pickle (copy_refusal.py).
     __deepcopy__, __reduce_ex__ = refuse_deepcopy, refuse_pickle
 
     def flat_groups(self):
@@ -131,17 +138,16 @@ class ModelRuntime:
     def begin_backward(self) -> None:
         if self.phase is not Phase.BACKWARD:
             self.phase = Phase.BACKWARD
-            # Runs once, after the last node of this backward pass, in the autograd engine.
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+            call_after_backward(self.end_backward)  # once, after the last node of this backward pass
 
-    def add_pending(self, pending: PendingReduce) -> None:
+    def add_pending(self, pending: Reduction) -> None:
         self._pending.append(pending)
         while len(self._pending) > self.MAX_PENDING_REDUCES:
-            self._pending.popleft().finish()
+            reduction.finish(self._pending.popleft())
 
     def finish_pending(self) -> None:
         while self._pending:
-            self._pending.popleft().finish()
+            reduction.finish(self._pending.popleft())
 
     def end_backward(self) -> None:
         self.finish_pending()
@@ -162,7 +168,7 @@ class ModelRuntime:
         if self.checker is not None:
             self.checker.agree()  # before backward returns: no gradient reaches an optimizer unchecked
         for g in self.flat_groups():
-            g.direct.hand_out(g)  # penalties computed from the parameters themselves (direct_grads.py)
+            g.sink.end_backward(g)  # (the surface's: gradients that reached a parameter directly, a penalty)
         for u in self.units:
             u.owed_backwards = 0
             u.backward_views = None
@@ -212,9 +218,9 @@ class ModelRuntime:
 
     def recover(self) -> None:
         while self._pending:
-            self._pending.popleft().finish(discard=True)
+            reduction.finish(self._pending.popleft(), discard=True)
         for g in self.flat_groups():
-            g.direct.drop()
+            g.sink.recover(g)
         if self.transfers is not None:
             self.transfers.recover()
         for u in self.units:
@@ -245,10 +251,11 @@ class ModelRuntime:
             for g in u.flat_groups:
                 if g.keep_gathered:  # ZeRO-1/2: gathered (or not yet gathered), never half-way
                     held = g.gathered.untyped_storage().nbytes()
-                    if g.state.value not in ("sharded", "gathered") or (g.state.value == "gathered") != bool(held):
+                    gathered = g.state is GatherState.GATHERED
+                    if g.state not in (GatherState.SHARDED, GatherState.GATHERED) or gathered != bool(held):
                         problems.append(f"unit {u.label!r} ({g.plan.dtype}) kept gathered is {g.state.value} "
                                         f"with {held} bytes of gathered storage")
-                elif not g.aliases_shard and g.state.value != "sharded":
+                elif not g.aliases_shard and g.state is not GatherState.SHARDED:
                     problems.append(f"unit {u.label!r} ({g.plan.dtype}) is still {g.state.value}")
                 elif not g.aliases_shard and g.gathered.untyped_storage().nbytes():
                     problems.append(f"unit {u.label!r} ({g.plan.dtype}) is sharded but holds "

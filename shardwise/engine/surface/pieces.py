@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from shardwise.engine import collectives
+from shardwise.engine.base import collectives
 from shardwise.errors import ShardwiseError
 
 # key -> (shard process group, device its collectives run on); a key, not the group, rides on each tensor:

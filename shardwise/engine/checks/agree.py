@@ -16,10 +16,10 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from shardwise.engine import flags
-from shardwise.engine.collectives import broadcast_text, run_and_wait
-from shardwise.engine.device import communication_device
-from shardwise.engine.fingerprint import check_collective
+from shardwise.engine.base import flags
+from shardwise.engine.base.collectives import broadcast_text, run_and_wait
+from shardwise.engine.base.device import communication_device
+from shardwise.engine.checks.fingerprint import check_collective
 from shardwise.errors import ShardwiseError
 
 T = TypeVar("T")

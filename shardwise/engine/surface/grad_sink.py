@@ -1,0 +1,90 @@
+"""The sink a sharded model's flat groups hand their gradients to (core/seams.py: the interface).
+
+On top of the core's ``.grad`` views it makes each gradient a piece that knows the whole (a ``ShardGrad``,
+pieces.py, where the shard group has ranks), runs tensor hooks on the full gradient (param_hooks.py) and
+post-accumulate-grad hooks as autograd would have, refuses tensor hooks under ``no_sync``, and adds the
+gradients that reached a parameter directly (direct_grads.py) at the end of backward. Reads of the shard
+parameters go around the pieces' rules (``local_only``): no Python dispatch, no collective.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from shardwise.engine.core.seams import GradSink, like_shard
+from shardwise.engine.surface.direct_grads import DirectGrads
+from shardwise.engine.surface.param_hooks import (full_grad, has_tensor_hooks, hooked_piece, post_accumulate_grad_hooks,
+                                                  refuse_under_no_sync, run_post_accumulate_grad_hooks, tensor_hooks)
+from shardwise.engine.surface.pieces import ShardGrad, as_shard_grad, local_only
+
+
+class PieceGradSink(GradSink):
+    """One flat group's gradients as pieces. ``piece_key``: the group's (0: a group of one rank, whose
+    gradients are whole, plain tensors); ``on_direct_grad``: the runtime's ``begin_backward``."""
+
+    def __init__(self, piece_key: int, transfers=None, on_direct_grad: Optional[Callable[[], None]] = None):
+        super().__init__(transfers)
+        self.piece_key = piece_key
+        self.direct = DirectGrads(on_direct_grad)  # gradients that reach the parameters directly (a penalty)
+
+    def set_grad(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+        with local_only():
+            p.grad = grad
+
+    def add_grad(self, p: torch.Tensor, piece: torch.Tensor) -> None:
+        """``p.grad += piece``, a ``ShardGrad`` where the shard group has ranks."""
+        key = self.piece_key
+        with local_only():
+            if p.grad is None:
+                self.set_grad(p, as_shard_grad(piece, key) if key else piece)
+                return
+            if key and not isinstance(p.grad, ShardGrad):  # (a zeros handed out under no_sync, a user's tensor)
+                self.set_grad(p, as_shard_grad(p.grad, key))
+            p.grad.add_(piece)
+
+    def accumulate(self, group, grad_shard: torch.Tensor) -> None:
+        """Give each trainable shard parameter its piece of ``grad_shard`` (a view, so grads stay one flat
+        buffer), then run its post-accumulate-grad hooks as autograd would have."""
+        with local_only():
+            post_hooked = any(post_accumulate_grad_hooks(p) for p in group.shard_params)
+            tensor_hooked = has_tensor_hooks(group)
+        if group.checker is not None and post_hooked:
+            # Optimizer in backward: a hook may step now, so the ranks agree first (fingerprint.py).
+            group.checker.agree("the consistency exchange before a post-accumulate-grad hook")
+        grad_shard = like_shard(group, grad_shard)
+        full = full_grad(group, grad_shard) if tensor_hooked else None  # (param_hooks.py)
+        for p, (lo, hi, at), spec in zip(group.shard_params, group.local_slices, group.plan.params):
+            with local_only():
+                trainable, hooked = p.requires_grad, full is not None and bool(tensor_hooks(p))
+            if not trainable:
+                continue  # frozen after shard(): autograd would give it no gradient either
+            if hooked:  # (user code: runs with pieces' rules on)
+                piece = hooked_piece(p, spec, full, lo, hi).to(grad_shard.device)
+            else:
+                piece = grad_shard.narrow(0, at, hi - lo)
+            self.add_grad(p, piece)
+            run_post_accumulate_grad_hooks(p)
+
+    def has_grad(self, group) -> bool:
+        with local_only():
+            return super().has_grad(group)
+
+    def begin_unsynced(self, group) -> None:
+        with local_only():
+            refuse_under_no_sync(group)  # tensor hooks would see the sum of the micro-batches
+
+    def mark_unsynced(self, group) -> None:
+        with local_only():
+            super().mark_unsynced(group)
+
+    def unsynced_held(self, group) -> bool:
+        with local_only():
+            return super().unsynced_held(group)
+
+    def end_backward(self, group) -> None:
+        self.direct.hand_out(group, self)
+
+    def recover(self, group) -> None:
+        self.direct.drop()
