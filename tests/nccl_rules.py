@@ -11,9 +11,14 @@ tensors, so nothing fails; this mode makes the difference visible:
   device, ``pin_memory``, ``torch.tensor`` / ``frombuffer`` / ``from_numpy`` make host storage, and ``.cpu()`` /
   ``.to("cpu")`` of a device tensor returns a host *copy* (on a GPU it is a device-to-host copy, never the same
   tensor). Every other operation's new storage is device if any input is (a TorchDispatchMode sees every
-  operation, autograd's backward included). Storages made before the mode was entered count as host.
+  operation, autograd's backward included; a dtype cast keeps its input's kind). A device tensor's ``.device``
+  is ``DEVICE``, so code that makes tensors ``device=t.device`` makes them where ``t`` is. Storages made before the mode
+  was entered count as host.
 * **Operations.** An operation whose tensor inputs mix device and host raises ``NcclRuleViolation``, except
   where CUDA allows it: copies, 0-dim host tensors (CUDA takes them as scalars) and host index tensors.
+* **Host reads of device values.** Inside ``host_reads()``, every ``.item()``, ``.tolist()``, ``bool()``,
+  ``int()``, ``float()``, ``torch.equal``, ``.numpy()`` and copy to the host of a device tensor made from
+  shardwise's own code is recorded: each is a host-device sync on a GPU.
 * **Collectives.** ``BACKEND`` is a process group registered with ``Backend.register_backend`` that wraps gloo
   and refuses a host tensor, as NCCL would; ``HOST_BACKEND`` wraps gloo and refuses a device tensor (shardwise
   keeps its control traffic on host groups: a device tensor there would be a host-device sync on a GPU).
@@ -26,6 +31,8 @@ Use: ``run_distributed(fn, world, ..., backend=nccl_rules.BACKEND)`` (the harnes
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from typing import Iterator, Optional
 
 import torch
@@ -91,6 +98,10 @@ class _TagOperations(TorchDispatchMode):
                                         f"'Expected all tensors to be on the same device'")
         out = func(*args, **kwargs)
         explicit = _device_kind(kwargs.get("device"))
+        if name == "aten::_to_copy" and explicit == "host":
+            # A plain-cpu device here comes from C++ that read a tensor's real device (autograd's backward of a
+            # dtype cast): it keeps the input's kind. Python's own .cpu() / .to("cpu") are _HostCopies'.
+            explicit = None
         if kwargs.get("pin_memory"):
             explicit = "host"
         made = explicit or ("device" if any(kind(t) == "device" for t in inputs) else "host")
@@ -103,18 +114,57 @@ class _TagOperations(TorchDispatchMode):
 _MADE_FROM_DATA = (torch.tensor, torch.as_tensor, torch.Tensor.pin_memory)
 
 
-_DEVICE_PROPERTY = torch.Tensor.device
+_REAL_DEVICE = torch._C.TensorBase.device  # the C property; ``enforced()`` shadows it on torch.Tensor
+
+
+def _device(t: torch.Tensor) -> torch.device:
+    """``t.device`` inside ``enforced()``: ``DEVICE`` for a device tensor, so that code making tensors
+    ``device=t.device`` makes them where ``t`` is, as on a GPU; a property on the class, not a mode, so that
+    it holds inside backward too (a mode's handler runs ``backward`` with the mode popped)."""
+    return DEVICE if kind(t) == "device" else _REAL_DEVICE.__get__(t)
+
+
+# What reads a device tensor's values on the host (a host-device sync on a GPU), and where shardwise is.
+_HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+               torch.Tensor.__float__, torch.equal, torch.Tensor.numpy, torch.Tensor.cpu}
+_SHARDWISE = os.sep + "shardwise" + os.sep
+_reads: Optional[list] = None  # host_reads()'s record while it is active
+
+
+def _note_host_read(func, args, kwargs) -> None:
+    if _reads is None or not any(kind(t) == "device" for t in _tensors(args, kwargs)):
+        return
+    if func is torch.Tensor.to and _to_target(func, args[1:], kwargs) != "host":
+        return
+    frame = sys._getframe(2)
+    while frame is not None and (os.sep + "torch" + os.sep in frame.f_code.co_filename
+                                 or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    if frame is not None and _SHARDWISE in frame.f_code.co_filename:
+        where = f"{frame.f_code.co_filename.split(_SHARDWISE)[-1]}:{frame.f_lineno} {frame.f_code.co_name}"
+        _reads.append(f"{getattr(func, '__name__', func)} in {where}")
+
+
+@contextlib.contextmanager
+def host_reads() -> Iterator[list]:
+    """The host reads of device values shardwise's code makes in this block (inside ``enforced()``): one
+    ``"item in engine/core/flat_group.py:160 kept_copy_stale"`` per read."""
+    global _reads
+    saved, _reads = _reads, []
+    try:
+        yield _reads
+    finally:
+        _reads = saved
 
 
 class _HostCopies(TorchFunctionMode):
-    """What the dispatch mode cannot see: ``t.device`` (``DEVICE`` for a device tensor, so that code making
-    tensors ``device=t.device`` makes them where ``t`` is, as on a GPU), ``.cpu()`` and ``.to("cpu")`` of a CPU
-    tensor (torch returns the tensor itself), and ``torch.tensor`` (its data is built before any operation)."""
+    """What the dispatch mode cannot see: ``.cpu()`` and ``.to("cpu")`` of a CPU tensor (torch returns the
+    tensor itself), and ``torch.tensor`` (its data is built before any operation)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__self__", None) is _DEVICE_PROPERTY:
-            return DEVICE if kind(args[0]) == "device" else func(*args, **kwargs)
+        if func in _HOST_READS or func is torch.Tensor.to:
+            _note_host_read(func, args, kwargs)
         if func in (torch.Tensor.cpu, torch.Tensor.to) and args and isinstance(args[0], torch.Tensor):
             target = _to_target(func, args[1:], kwargs)
             if target == "host" and kind(args[0]) == "device":
@@ -156,10 +206,14 @@ def _to_target(func, args, kwargs) -> Optional[str]:
 
 @contextlib.contextmanager
 def enforced() -> Iterator[None]:
-    """Tag and check every operation in this block (this thread: the offload worker thread, where it runs,
-    makes host tensors, which it should)."""
-    with _HostCopies(), _TagOperations():
-        yield
+    """Tag and check every operation in this block (the modes are this thread's: the offload worker thread,
+    where it runs, makes host tensors, which it should)."""
+    torch.Tensor.device = property(_device)
+    try:
+        with _HostCopies(), _TagOperations():
+            yield
+    finally:
+        del torch.Tensor.device  # torch.Tensor inherits TensorBase's again
 
 
 # ---- the process groups -------------------------------------------------------------------------------------
@@ -261,7 +315,12 @@ def _creator(cls, name: str):
 
 def register() -> None:
     """Make ``BACKEND`` and ``HOST_BACKEND`` known to torch.distributed (in every process, before
-    ``init_process_group``); a second call does nothing."""
+    ``init_process_group``), and tell shardwise's one rule (engine/base/device.py) that ``BACKEND`` moves device
+    tensors only, on ``DEVICE``, and that its control groups are ``HOST_BACKEND``'s; a second call does nothing."""
+    from shardwise.engine.base import device
+
+    device.DEVICE_ONLY_BACKENDS[BACKEND] = lambda: DEVICE
+    device.CONTROL_BACKEND = HOST_BACKEND
     known = getattr(dist.Backend, "_plugins", {})
     if BACKEND.upper() not in known:
         dist.Backend.register_backend(BACKEND, _creator(_DeviceOnlyGroup, BACKEND), devices=["cpu"])

@@ -6,7 +6,7 @@ down only (tests/test_layering.py)::
     user code sees of parameters and gradients), and the loose modules here (shard(), clipping, state dicts)
 
 Reading order of one training step (full_shard, the default: checks on, no offload, a model with buffers;
-forward, backward, ``shardwise.clip_grad_norm_``, ``optimizer.step()``). The step enters these 21 files
+forward, backward, ``shardwise.clip_grad_norm_``, ``optimizer.step()``). The step enters these 20 files
 (tests/engine/test_reading_order.py traces one and holds this list to it):
 
  1. ``base/plan.py``            units -> flat groups (unit x dtype x requires_grad), offsets, padding: pure layout
@@ -22,16 +22,15 @@ forward, backward, ``shardwise.clip_grad_norm_``, ``optimizer.step()``). The ste
  9. ``base/torch_internals.py`` the torch internals the step relies on, one function each
 10. ``base/nested.py``          the tensors inside a unit's outputs (to hook them for backward)
 11. ``base/strategy.py``        the process groups and the data-parallel size
-12. ``checks/group_fingerprint.py`` how a flat group's collectives are fingerprinted ...
-13. ``checks/fingerprint.py``   ... and compared across ranks
-14. ``surface/shard_param.py``  the parameter factory: ``ShardParam``, what the core asks about it
-15. ``surface/grad_sink.py``    the gradient sink: ``.grad`` pieces, hooks, direct gradients
-16. ``surface/pieces.py``       the pieces' table (exact norms, ``local_only``)
-17. ``surface/param_hooks.py``  tensor hooks and post-accumulate-grad hooks at hand-out
-18. ``surface/direct_grads.py`` gradients that reached a parameter directly (a penalty)
-19. ``surface/optimizer_guard.py`` the optimizer step hooks
-20. ``buffer_broadcast.py``     rank 0's buffers before each forward
-21. ``grad_norm.py``            ``clip_grad_norm_``
+12. ``checks/fingerprint.py``   the ranks agree on every collective before it is issued (once per phase)
+13. ``surface/shard_param.py``  the parameter factory: ``ShardParam``, what the core asks about it
+14. ``surface/grad_sink.py``    the gradient sink: ``.grad`` pieces, hooks, direct gradients
+15. ``surface/pieces.py``       the pieces' table (exact norms, ``local_only``)
+16. ``surface/param_hooks.py``  tensor hooks and post-accumulate-grad hooks at hand-out
+17. ``surface/direct_grads.py`` gradients that reached a parameter directly (a penalty)
+18. ``surface/optimizer_guard.py`` the optimizer step hooks
+19. ``buffer_broadcast.py``     rank 0's buffers before each forward
+20. ``grad_norm.py``            ``clip_grad_norm_``
 
 ``api.py`` builds all of it (``shard()``); docs/ARCHITECTURE.md draws the step and lists every file.
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Callable, Iterator, Optional, Union
 
 import torch
@@ -86,6 +87,12 @@ def shard(
     compute_device = _resolve_device(model, device, pgs)
     is_meta = any(p.is_meta for p in model.parameters())
     plan = build_plan(model, units, pgs.shard_size)
+    if checks_enabled():  # first: every collective after it is sized by the plan
+        check_same_plan(_describe_plan(plan, strategy, pgs))
+    # Our own groups over the same ranks: a user's collective can never meet ours at the wire (device.py).
+    world = dist.group.WORLD if dist.get_world_size() > 1 else None
+    shard_group, replicate_group, world_group = devices.own_groups([pgs.shard, pgs.replicate, world])
+    pgs = dataclasses.replace(pgs, shard=shard_group, replicate=replicate_group, world=world_group)
     state_dict_keys = list(model.state_dict(keep_vars=True).keys())
     transfers = OffloadTransfers(compute_device, offload) if offload is not None else None
     runtime = ModelRuntime(strategy, pgs, mp, prefetch, plan=plan, state_dict_keys=state_dict_keys,
@@ -99,8 +106,6 @@ def shard(
         for ui, up in enumerate(plan.units) for gi, gp in enumerate(up.groups)}
     warn_if_backward_inputs_unseen()  # a torch that cannot show us backward(inputs=...) says so once
     _fill(model, plan, list(flat_groups.values()), compute_device, sync_module_states, is_meta, param_init_fn)
-    if runtime.checker is not None:
-        check_same_plan(_describe_plan(plan, strategy, pgs), _world_if_many())
     runtime.units = [Unit(up, [flat_groups[id(gp)] for gp in up.groups], runtime) for up in plan.units]
     _install_hooks(model, runtime, activation_checkpointing)
     refuse_wrappers(model)  # DDP (Accelerate's prepare), fully_shard would redo the sharding on the pieces
@@ -108,7 +113,7 @@ def shard(
     if broadcast_buffers and pgs.data_parallel_size > 1:
         sync = BufferBroadcast(model, runtime)
         if sync.buffers:
-            runtime.before_forward.append(sync)
+            runtime.buffers = sync
     return model
 
 
@@ -119,7 +124,7 @@ def _fill(model: nn.Module, plan, groups: list[FlatGroup], device: torch.device,
     an optimizer that still holds them (built before shard) is caught at its first step instead of silently
     doing nothing."""
     if sync_module_states:
-        materialize.fill_from_rank0(model, groups, device)
+        materialize.fill_from_rank0(model, groups, device, groups[0].pgs.world if groups else None)
     elif is_meta:
         materialize.fill_from_meta(model, groups, device, param_init_fn)
     else:
@@ -158,10 +163,6 @@ def _install_hooks(model: nn.Module, runtime: ModelRuntime, activation_checkpoin
         # transformers' generate() keeps ranks stepping together (synced_gpus) for models it sees as
         # FSDP-managed: otherwise a rank that reaches EOS first stops calling forward and the others hang.
         m._is_fsdp_managed_module = True
-
-
-def _world_if_many():
-    return dist.group.WORLD if dist.get_world_size() > 1 else None
 
 
 def _describe_plan(plan, strategy: Strategy, pgs) -> str:
