@@ -31,6 +31,7 @@ Nothing is downloaded: models are built from configs with random weights.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -125,19 +126,24 @@ def _timed_steps(device, steps: int, step) -> list[float]:
     return times
 
 
-def _step_stats(times: list[float], tokens: int) -> dict:
-    warm = times[1:] or times  # the first step pays for allocations and kernels' first launch
+def _measured(spec: dict, device, step, tokens: int, record: dict) -> None:
+    """Run ``spec["steps"]`` timed steps (``step(i)`` returns the loss) and append their figures to
+    ``record``'s line of the results: step times (the first dropped from the statistics: it pays for
+    allocations and kernels' first launch), tokens/s, first and last loss, peak memory."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    losses = []
+    times = _timed_steps(device, spec["steps"], lambda i: losses.append(step(i)))
+    warm = times[1:] or times
     median = statistics.median(warm)
-    return {"step_s": times, "median_s": median, "min_s": min(warm), "max_s": max(warm), "tokens_per_s": tokens / median}
+    _append(spec, {**record, "step_s": times, "median_s": median, "min_s": min(warm), "max_s": max(warm),
+                   "tokens_per_s": tokens / median, "loss_first_last": [losses[0].item(), losses[-1].item()],
+                   **_memory(device)})
 
 
 # ---- parity -------------------------------------------------------------------------------------------------
-
-def _parity_model_config():
-    from shardwise.models import GPTConfig
-
-    return GPTConfig(vocab_size=509, block_size=64, n_layer=3, n_head=4, n_embd=68)
-
 
 def _shard_options(variant: str) -> dict:
     import shardwise
@@ -156,58 +162,17 @@ def _shard_options(variant: str) -> dict:
     return options
 
 
-def _batches(world: int, steps: int, vocab: int, device):
-    """Per step, every rank's (inputs, targets); rank r trains on its own, the reference on all of them."""
-    import torch
-
-    out = []
-    for step in range(steps):
-        xs = [torch.randint(0, vocab, (4, 33), generator=torch.Generator().manual_seed(1000 * step + r))
-              for r in range(world)]
-        out.append([(x[:, :-1].to(device), x[:, 1:].to(device)) for x in xs])
-    return out
-
-
 def _sgd_parity(device, variant: str, steps: int) -> float:
-    """Worst relative error of the global loss (every step) and of every parameter (at the end)."""
-    import copy
-
+    """gpu_check.py's parity run (against one process on the global batch) for one variant."""
     import torch
-    import torch.distributed as dist
 
+    import gpu_check
     import shardwise
-    from shardwise.models import GPT, Block
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = _parity_model_config()
-    torch.manual_seed(0)
-    ref = GPT(cfg).to(device)
-    model = shardwise.shard(copy.deepcopy(ref), units={Block}, device=device, **_shard_options(variant))
+    optimizer = None
     if "offload_optimizer" in variant:
-        opt = shardwise.offload_optimizer(model, torch.optim.SGD, lr=0.3, momentum=0.9)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.3, momentum=0.9)
-    worst = 0.0
-    for per_rank in _batches(world, steps, cfg.vocab_size, device):
-        x, y = per_rank[rank]
-        loss = model(x, y).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_loss = ref(torch.cat([b[0] for b in per_rank]), torch.cat([b[1] for b in per_rank])).loss
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        worst = max(worst, abs(mean.item() / world - ref_loss.item()) / abs(ref_loss.item()))
-    full = shardwise.full_state_dict(model)
-    if rank == 0:
-        for name, value in ref.state_dict().items():
-            err = (full[name].float() - value.float().cpu()).norm() / (value.float().norm().cpu() + 1e-12)
-            worst = max(worst, err.item())
-    return worst
+        optimizer = lambda model: shardwise.offload_optimizer(model, torch.optim.SGD, lr=0.3, momentum=0.9)  # noqa: E731
+    return gpu_check.parity(device, steps, optimizer=optimizer, **_shard_options(variant))
 
 
 def _muon_offload_agreement(device, steps: int) -> float:
@@ -218,20 +183,21 @@ def _muon_offload_agreement(device, steps: int) -> float:
     import torch
     import torch.distributed as dist
 
+    import gpu_check
     import shardwise
     from shardwise.models import GPT, Block
     from shardwise.optim import Muon
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = _parity_model_config()
+    rank = dist.get_rank()
+    cfg = gpu_check.PARITY_CONFIG
     torch.manual_seed(0)
     initial = GPT(cfg).to(device)
     finals = []
     for offload in (None, shardwise.CPUOffload()):
         model = shardwise.shard(copy.deepcopy(initial), units={Block}, device=device, offload=offload)
         opt = Muon(model.parameters(), ns_dtype=torch.float32)
-        for per_rank in _batches(world, steps, cfg.vocab_size, device):
-            model(*per_rank[rank]).loss.backward()
+        for step in range(steps):
+            model(*gpu_check.batch(step, rank, 4, 64, cfg.vocab_size, device)).loss.backward()
             opt.step()
             opt.zero_grad()
         finals.append(shardwise.full_state_dict(model))
@@ -340,29 +306,22 @@ def job_speed(spec: dict) -> None:
                 m.reset_parameters()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     data = torch.Generator().manual_seed(0)
-    losses = []
 
     def step(_):
         x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=data)
         inputs, targets = x[:, :-1].to(device), x[:, 1:].to(device)
-        if autocast is not None:
-            with autocast:
-                loss = model(inputs, targets).loss
-        else:
+        with autocast if autocast is not None else contextlib.nullcontext():
             loss = model(inputs, targets).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        return loss.detach()
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    stats = _step_stats(_timed_steps(device, spec["steps"], step), batch * seq)
     flops_per_token = 6 * matmul_params + 12 * cfg.n_layer * cfg.n_embd * seq  # PaLM, appendix B
     peak = _peak_flops(device)
-    _append(spec, {"impl": impl, "model": spec["model"], "params": params, "batch": [batch, seq], **stats,
-                   "mfu": flops_per_token * stats["tokens_per_s"] / peak if peak else None,
-                   "loss_first_last": [losses[0].item(), losses[-1].item()], **_memory(device)})
+    _measured(spec, device, step, batch * seq, {"impl": impl, "model": spec["model"], "params": params,
+                                                 "batch": [batch, seq], "flops_per_token": flops_per_token,
+                                                 "peak_flops": peak})
     _leave()
 
 
@@ -404,7 +363,6 @@ def job_offload(spec: dict) -> None:
         clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # noqa: E731
     setup_s = time.perf_counter() - setup_start
     data = torch.Generator().manual_seed(0)
-    losses = []
 
     def step(_):
         x = torch.randint(0, model.config.vocab_size, (batch, seq + 1), generator=data)
@@ -414,13 +372,10 @@ def job_offload(spec: dict) -> None:
             clip()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        return loss.detach()
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    stats = _step_stats(_timed_steps(device, spec["steps"], step), batch * seq)
-    _append(spec, {"impl": impl, "model": spec["model"], "batch": [batch, seq], "setup_s": setup_s, **stats,
-                   "loss_first_last": [losses[0].item(), losses[-1].item()], **_memory(device)})
+    _measured(spec, device, step, batch * seq, {"impl": impl, "model": spec["model"], "batch": [batch, seq],
+                                                 "setup_s": setup_s})
     _leave()
 
 
@@ -501,7 +456,6 @@ def job_qlora(spec: dict) -> None:
                             fused=device.type == "cuda")
     batch, seq = spec["batch"], spec["seq"]
     data = torch.Generator().manual_seed(0)
-    losses = []
 
     def step(_):
         x = torch.randint(0, 32000, (batch, seq + 1), generator=data)
@@ -510,12 +464,9 @@ def job_qlora(spec: dict) -> None:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        return loss.detach()
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    stats = _step_stats(_timed_steps(device, spec["steps"], step), batch * seq)
-    _append(spec, {**record, **stats, "loss_first_last": [losses[0].item(), losses[-1].item()], **_memory(device)})
+    _measured(spec, device, step, batch * seq, record)
     _leave()
 
 
@@ -655,7 +606,7 @@ class Session:
                 continue
             medians = sorted(r["median_s"] for r in ok)
             median = statistics.median(medians)
-            mfu = [r["mfu"] for r in ok if r.get("mfu") is not None]
+            mfu = [r["flops_per_token"] * r["tokens_per_s"] / r["peak_flops"] for r in ok if r.get("peak_flops")]
             self.say(f"| {impl} | {medians[0]:.3f} / {median:.3f} / {medians[-1]:.3f} | "
                      f"{ok[0]['batch'][0] * ok[0]['batch'][1] / median:,.0f} | "
                      f"{f'{statistics.median(mfu):.1%}' if mfu else '-'} | {_median_of(ok, 'peak_alloc_gib')} | "
