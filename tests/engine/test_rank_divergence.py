@@ -5,6 +5,8 @@ rank within seconds, never a gloo abort, never a wait to the process group's tim
 * ``dist.all_reduce(p.grad)`` after backward (the tutorial habit): refused at once on every rank, world sizes 2
   and 3 (3: the pieces differ in size);
 * an exception caught on one rank only, in the middle of a forward;
+* a layer dropped on one rank only in the middle of a forward, its units of different sizes (gloo would abort
+  on the sizes);
 * uneven evaluation batches, then ``dist.all_reduce(metric)``;
 * a rank-0-only evaluation, then ``dist.barrier()``.
 
@@ -22,6 +24,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 import shardwise
 from harness import RankError, error_of, run_distributed
@@ -113,6 +116,54 @@ def test_an_exception_caught_on_one_rank_inside_a_forward_is_named_on_every_rank
     for e in results:
         assert "ShardwiseError: ranks disagree about the next collective" in e, e
         assert "ranks [0] are at the start of a forward" in e and "Found by the stall watchdog" in e, e
+
+
+class _Widths(nn.Module):
+    """Four units, each mapping 16 features to 16, of different sizes: dropping one moves a rank to a unit
+    whose collectives are of another size than the others' next ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.units = nn.ModuleList([nn.Linear(16, 16), nn.Sequential(nn.Linear(16, 48), nn.Linear(48, 16)),
+                                    nn.Linear(16, 16), nn.Sequential(nn.Linear(16, 96), nn.Linear(96, 16))])
+
+    def forward(self, x, drop=None):
+        for i, unit in enumerate(self.units):
+            if i != drop:
+                x = torch.relu(unit(x))
+        return x.square().mean()
+
+
+def _layer_dropped_on_one_rank(rank: int, world: int, grad: bool) -> None:
+    """Two healthy steps, then rank 1 drops units.1 (as stochastic depth drawn per rank would) in the middle
+    of a forward, with grad (then a backward) or without (an evaluation, then the next one)."""
+    torch.manual_seed(0)
+    model = shardwise.shard(_Widths(), units="auto")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.set_grad_enabled(grad):
+        loss = model(x, drop=1 if rank == 1 else None)
+        if grad:
+            loss.backward()
+        model(x)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "evaluation"])
+def test_a_layer_dropped_on_one_rank_mid_forward_is_named_on_every_rank_not_a_gloo_abort(grad):
+    """The two ranks' next collectives differ in size in the middle of a phase (rank 0 needs units.1, rank 1
+    the next unit): the rank off the agreed sequence exchanges its collective instead of issuing it, so nothing
+    of two sizes meets on the wire; the watchdog's probe names the parting on every rank within seconds, and
+    the ranks exit (a collective is left pending: the group is unusable)."""
+    start = time.monotonic()
+    results = run_distributed(_layer_dropped_on_one_rank, 2, grad, timeout_s=TIMEOUT_S, allow_errors=True)
+    assert time.monotonic() - start < 40, results
+    for e in results:
+        assert isinstance(e, RankError) and "ShardwiseError: ranks disagree about the next collective" in e, e
+        assert "ranks [0] are at all_gather of unit 'units.1'" in e and "Found by the stall watchdog" in e, e
 
 
 def _own_collective(rank: int, world: int, pattern: str) -> dict:

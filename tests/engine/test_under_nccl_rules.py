@@ -3,7 +3,7 @@ tensors only, as NCCL does, the control group host tensors only, and an operatio
 a GPU. Every strategy's parity with one process, CPU offload (with ``offload_optimizer``, its worker thread
 too), clipping and exact gradient norms, buffers, ``full_state_dict`` / ``load_full_state_dict`` /
 ``summon_full_params``, Muon with and without offload, checkpoints saved, loaded and resharded (2 ranks to 3),
-LoRA and QLoRA adapter saves: all run without breaking a rule. A planted host tensor fails the mode.
+LoRA and QLoRA adapter saves, a whole-model save (``save_whole_model``): all run without breaking a rule. A planted host tensor fails the mode.
 
 Inputs go to ``nccl_rules.DEVICE`` as a GPU script sends them to ``cuda``; the references train on the host.
 """
@@ -177,8 +177,8 @@ def _load(rank, world, root):
 
 
 def _lora_saves(rank, world, root):
-    """Adapter saves of a LoRA model and of a QLoRA model (4-bit base): the adapters gathered over the
-    device group, written by rank 0."""
+    """Adapter saves of a LoRA model and of a QLoRA model (4-bit base), and a whole model saved: the adapters
+    (the whole model) gathered over the device group, written by rank 0."""
     from hf_dirs import tiny_config
     from qlora_models import quantised_lora_model
     from shardwise.hf.lora import LoraSettings, apply_lora, save_adapter
@@ -194,6 +194,9 @@ def _lora_saves(rank, world, root):
         model(input_ids=x, labels=x).loss.backward()
         path = save_adapter(model, os.path.join(root, name))
         out[name] = sorted(os.listdir(path)) if rank == 0 else "saved"
+    whole = shardwise.shard(AutoModelForCausalLM.from_config(tiny_config("llama", 97)), units="auto")
+    shardwise.save_whole_model(whole, os.path.join(root, "whole"))  # the whole-model save: every group gathered
+    out["whole"] = sorted(os.listdir(os.path.join(root, "whole"))) if rank == 0 else "saved"
     return out
 
 
@@ -283,6 +286,7 @@ def test_checkpoints_save_load_and_reshard_and_adapters_save_under_the_rules(roo
     lora = scenario(saved[0], "lora")
     for name in ("lora", "qlora"):
         assert lora[name] == ["adapter_config.json", "adapter_model.safetensors"], lora
+    assert "model.safetensors" in lora["whole"], lora
     for world in (2, 3):  # as saved, then resharded
         for r in files(root, world, "load"):
             assert scenario(r, "load") == 0.0
