@@ -623,11 +623,9 @@ class Session:
         for impl in ("shardwise", "fsdp2"):
             spec = {"impl": impl, "backend": self._backend(), "model": a.offload_model, "batch": a.offload_batch,
                     "seq": a.offload_seq, "steps": a.offload_steps}
-            status, records = self.run(Job(f"offload-{impl}", "offload", spec, 1, a.offload_timeout_s))
-            if status != "ok" or not records:
-                self.say(f"| {impl} | failed: {status}: {_tail(self.out / 'logs' / f'offload-{impl}.rank0.log', 1)[:200]} | | | | | |")
+            r = self._record_or_failed_row(Job(f"offload-{impl}", "offload", spec, 1, a.offload_timeout_s), impl, 7)
+            if r is None:
                 continue
-            r = records[0]
             self.say(f"| {impl} | {r['min_s']:.3f} / {r['median_s']:.3f} / {r['max_s']:.3f} | {r['tokens_per_s']:,.0f} | "
                      f"{_gib(r, 'peak_alloc_gib')} | {_gib(r, 'host_maxrss_gib')} | {r['setup_s']:.1f} | "
                      f"{_losses(r)} |")
@@ -642,15 +640,23 @@ class Session:
         for base in ("bf16", "nf4"):
             spec = {"base": base, "backend": self._backend(), "shape": shape, "batch": a.qlora_batch,
                     "seq": a.qlora_seq, "steps": a.qlora_steps}
-            status, records = self.run(Job(f"qlora-{base}", "qlora", spec, 1, a.qlora_timeout_s))
-            if status != "ok" or not records:
-                self.say(f"| {base} | failed: {status}: {_tail(self.out / 'logs' / f'qlora-{base}.rank0.log', 1)[:200]} | | | | |")
+            r = self._record_or_failed_row(Job(f"qlora-{base}", "qlora", spec, 1, a.qlora_timeout_s), base, 6)
+            if r is None:
                 continue
-            r = records[0]
             notes = (f"bits equal to the CPU's: {r['dequant_bits_equal_cpu']}; one {r['dequant_shape']} matrix "
                      f"{r['dequant_ms']:.2f} ms; {r['quantised_linears']} 4-bit Linears") if base == "nf4" else ""
             self.say(f"| {base} | {r['min_s']:.3f} / {r['median_s']:.3f} / {r['max_s']:.3f} | {r['tokens_per_s']:,.0f} | "
                      f"{_gib(r, 'peak_alloc_gib')} | {_losses(r)} | {notes} |")
+
+    def _record_or_failed_row(self, job: Job, label: str, columns: int) -> dict | None:
+        """Run a job of one record and return it; or say its table row of ``columns`` cells as failed (with
+        the last line of rank 0's log) and return None."""
+        status, records = self.run(job)
+        if status == "ok" and records:
+            return records[0]
+        self.say(f"| {label} | failed: {status}: {_tail(self.out / 'logs' / f'{job.name}.rank0.log', 1)[:200]} |"
+                 + " |" * (columns - 2))
+        return None
 
     def _backend(self) -> str:
         return "nccl" if self.args.device == "cuda" else "gloo"
