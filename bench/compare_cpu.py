@@ -43,10 +43,10 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn.parallel import DistributedDataParallel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# Benchmark the checkout this script lives in, not whatever shardwise happens to be installed; a worker of the
-# "shardwise-baseline" row imports the checkout given by --baseline instead (the driver sets this variable).
-CHECKOUT_ENV = "SHARDWISE_BENCH_CHECKOUT"
-sys.path.insert(0, os.environ.get(CHECKOUT_ENV) or str(REPO_ROOT))
+# Benchmark the checkout this script lives in, not whatever shardwise happens to be installed; a worker of a
+# run with --code imports shardwise from the checkout the driver names.
+CODE_ENV = "SHARDWISE_BENCH_CHECKOUT"
+sys.path.insert(0, os.environ.get(CODE_ENV, str(REPO_ROOT)))
 
 from shardwise.models import GPT, PRESETS, Block, GPTConfig  # noqa: E402  (needs the sys.path line above)
 
@@ -56,7 +56,6 @@ ALL_IMPLS = ("shardwise", "fsdp2", "fsdp1", "ddp", "deepspeed")
 ABLATIONS = ("shardwise-nocheck", "shardwise-nativecoll", "shardwise-nativecoll-nocheck")
 # shardwise's other strategies (full parameters kept across steps: ZeRO-2 and ZeRO-1), not run by default.
 STRATEGY_ROWS = ("shardwise-zero2", "shardwise-zero1")
-BASELINE_ROW = "shardwise-baseline"  # shardwise imported from the checkout given by --baseline
 BASELINE_IMPL = "fsdp2"  # ratios in the table are relative to this one
 
 # Per-preset (sequence length, per-rank batch): the shapes measured in shared/REFERENCE.md.
@@ -90,6 +89,7 @@ class RunSpec:
     # Keyword options for the implementation's setup function (e.g. strategy, prefetch, reduce_dtype), so
     # other benchmarks (bench/netns_bench.py) can vary them without a setup of their own. JSON-serialisable.
     options: dict[str, Any] = field(default_factory=dict)
+    code: str = ""  # --code LABEL of the shardwise checkout this run imports ("": this one)
     count_elements: bool = False  # count what every collective moves (a counting wrapper of gloo, see below)
 
 
@@ -99,8 +99,10 @@ class RunResult:
     repeat: int
     status: str  # "ok", "OOM-killed", "timeout after N s", "failed: <reason>"
     median_step_s: Optional[float] = None  # max over ranks of each rank's median measured step time
-    cpu_step_s: Optional[float] = None  # max over ranks of each rank's median CPU seconds per measured step
+    median_cpu_s: Optional[float] = None  # max over ranks of each rank's median CPU seconds per measured step
+    median_page_faults: Optional[float] = None  # max over ranks of each rank's median minor page faults per step
     elements: dict[str, float] = field(default_factory=dict)  # rank 0, per measured step (--count-elements)
+    load_1min: float = 0.0  # the machine's 1-minute load average when the run started
     peak_rss_gb: Optional[float] = None  # max over ranks of ru_maxrss
     rss_gb_per_rank: list[float] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)  # rank 0, warmup steps included
@@ -243,7 +245,6 @@ SETUPS: dict[str, Callable[..., StepFn]] = {
     "shardwise-nativecoll": setup_shardwise_ablation({"SHARDWISE_GLOO_NATIVE_COLLECTIVES": "1"}),
     "shardwise-zero2": setup_shardwise_strategy("shard_optim_grad"),
     "shardwise-zero1": setup_shardwise_strategy("shard_optim"),
-    "shardwise-baseline": setup_shardwise,  # the shardwise of another checkout (--baseline): the same setup
     # the cost of the out-of-band check: native collectives with the check off
     "shardwise-nativecoll-nocheck": setup_shardwise_ablation({"SHARDWISE_GLOO_NATIVE_COLLECTIVES": "1",
                                                               "SHARDWISE_CHECK_COLLECTIVES": "0"}),
@@ -276,18 +277,21 @@ def train(spec: RunSpec, rank: int, meter: Meter | None = None) -> dict:
     batches = make_batches(spec, rank, model.config.vocab_size)
     step = SETUPS[spec.impl](model, spec, **spec.options)
 
-    times, cpu_times, losses = [], [], []
+    times, cpu, faults, losses = [], [], [], []
     for i, (x, y) in enumerate(batches):
         if i == spec.warmup:
             meter.start()
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        start_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         loss = step(x, y)
         losses.append(loss.item())  # also makes sure the step has really finished
         times.append(time.perf_counter() - start)
-        cpu_times.append(time.process_time() - cpu_start)  # every thread of the rank: gloo's included
+        cpu.append(time.process_time() - start_cpu)  # every thread of the rank: gloo's included
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start_faults)  # pages first touched
     measured = meter.stop()
     return {"step_times_s": times, "losses": losses, "median_step_s": statistics.median(times[spec.warmup :]),
-            "cpu_step_s": statistics.median(cpu_times[spec.warmup :]), **measured}
+            "median_cpu_s": statistics.median(cpu[spec.warmup :]),
+            "median_page_faults": statistics.median(faults[spec.warmup :]), **measured}
 
 
 def worker_main(spec: RunSpec, result_path: Path, meter: Meter | None = None) -> None:
@@ -426,11 +430,13 @@ def wait_for_ranks(procs: list[subprocess.Popen], timeout_s: float) -> tuple[set
 
 
 def launch_run(spec: RunSpec, repeat: int, world_size: int, timeout_s: float, log_dir: Path,
-               baseline: str = "") -> RunResult:
-    """Start world_size fresh worker processes for one run, wait for them, and turn what they left into a result."""
-    run_dir = log_dir / f"{spec.impl}-r{repeat}"
+               checkout: Optional[str] = None) -> RunResult:
+    """Start world_size fresh worker processes for one run, wait for them, and turn what they left into a result.
+    ``checkout``: the shardwise checkout the workers import (default: this one)."""
+    run_dir = log_dir / f"{spec.impl}{'-' + spec.code if spec.code else ''}-r{repeat}"
     run_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    load = os.getloadavg()[0]
     start = time.monotonic()
     procs: list[subprocess.Popen] = []
     for rank in range(world_size):
@@ -445,7 +451,7 @@ def launch_run(spec: RunSpec, repeat: int, world_size: int, timeout_s: float, lo
             # One thread per rank: set before torch loads so OpenMP/MKL pools are created that size.
             "OMP_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
-            CHECKOUT_ENV: baseline if spec.impl == BASELINE_ROW else "",
+            **({CODE_ENV: checkout} if checkout else {}),
         }
         cmd = [sys.executable, __file__, "--worker", json.dumps(dataclasses.asdict(spec)),
                "--result", str(run_dir / f"rank{rank}.json")]
@@ -463,7 +469,7 @@ def launch_run(spec: RunSpec, repeat: int, world_size: int, timeout_s: float, lo
 
     reports = [json.loads(path.read_text()) if (path := run_dir / f"rank{r}.json").exists() else None
                for r in range(world_size)]
-    result = RunResult(impl=spec.impl, repeat=repeat, status="ok", wall_s=wall)
+    result = RunResult(impl=spec.impl, repeat=repeat, status="ok", wall_s=wall, load_1min=load)
     result.rss_gb_per_rank = [r["peak_rss_kib"] * 1024 / 1e9 for r in reports if r is not None]
     # A rank killed by a signal we did not send is, on a Linux box without swap, the OOM killer's doing.
     oom = [r for r, p in enumerate(procs) if p.returncode == -signal.SIGKILL and r not in killed]
@@ -484,8 +490,9 @@ def launch_run(spec: RunSpec, repeat: int, world_size: int, timeout_s: float, lo
         result.status = "failed: a rank exited 0 without writing its result"
     else:
         result.median_step_s = max(r["median_step_s"] for r in reports)
-        result.cpu_step_s = max(r["cpu_step_s"] for r in reports)
+        result.median_cpu_s = max(r["median_cpu_s"] for r in reports)
         result.elements = reports[0].get("elements", {})
+        result.median_page_faults = max(r["median_page_faults"] for r in reports)
         result.peak_rss_gb = max(result.rss_gb_per_rank)
         result.step_times_s = reports[0]["step_times_s"]
         result.losses = reports[0]["losses"]
@@ -496,46 +503,53 @@ def min_med_max(values: list[float], fmt: str) -> str:
     return " / ".join(format(v, fmt) for v in (min(values), statistics.median(values), max(values)))
 
 
-def summarize(results: list[RunResult], impls: list[str]) -> str:
-    """The markdown table: one row per implementation, stats over its successful repeats."""
-    by_impl = {impl: [r for r in results if r.impl == impl] for impl in impls}
+def row_name(impl: str, code: str) -> str:
+    return f"{impl} [{code}]" if code else impl
 
-    def medians(impl: str) -> tuple[Optional[float], Optional[float]]:
-        ok = [r for r in by_impl.get(impl, []) if r.ok]
+
+def summarize(results: list[RunResult], rows: list[str], baseline: str = BASELINE_IMPL) -> str:
+    """The markdown table: one row per implementation (and checkout), stats over its successful repeats."""
+    by_row = {name: [r for r in results if r.impl == name] for name in rows}
+
+    def medians(name: str) -> tuple[Optional[float], Optional[float], Optional[float]]:
+        ok = [r for r in by_row.get(name, []) if r.ok]
         if not ok:
-            return None, None
-        return statistics.median(r.median_step_s for r in ok), statistics.median(r.peak_rss_gb for r in ok)
+            return None, None, None
+        return (statistics.median(r.median_step_s for r in ok), statistics.median(r.median_cpu_s for r in ok),
+                statistics.median(r.peak_rss_gb for r in ok))
 
-    base_time, base_rss = medians(BASELINE_IMPL)
+    base_time, base_cpu, base_rss = medians(baseline)
+    header = ("| impl | step time s (min / median / max) | CPU s per step per rank (min / median / max) "
+              f"| peak RSS per rank GB (min / median / max) | time vs {baseline} | CPU vs {baseline} "
+              f"| RSS vs {baseline} | load (1 min) | loss rank 0 (first → last step) |")
     counted = any(r.elements for r in results)
-    header = ("| impl | step time s (min / median / max) | CPU s per step per rank (median) | peak RSS per rank GB "
-              f"(min / median / max) | time vs {BASELINE_IMPL} | RSS vs {BASELINE_IMPL} | loss rank 0 (first → last step) |"
-              + (" elements moved per step (by collective) · wire elements per rank |" if counted else ""))
-    rows = [header, "|---|---|---|---|---|---|---|" + ("---|" if counted else "")]
-    for impl in impls:
-        runs = by_impl[impl]
+    if counted:
+        header += " elements moved per step (by collective) · wire elements per rank |"
+    lines = [header, "|---|---|---|---|---|---|---|---|---|" + ("---|" if counted else "")]
+    for name in rows:
+        runs = by_row[name]
         ok = [r for r in runs if r.ok]
         if not ok:
             reasons = sorted({r.status for r in runs})
-            rows.append(f"| {impl} | {'; '.join(reasons)} | — | — | — | — | — |" + (" — |" if counted else ""))
+            lines.append(f"| {name} | {'; '.join(reasons)} | — | — | — | — | — | — | — |" + (" — |" if counted else ""))
             continue
-        time_med, rss_med = medians(impl)
+        time_med, cpu_med, rss_med = medians(name)
         times = min_med_max([r.median_step_s for r in ok], ".3f")
-        rss = min_med_max([r.peak_rss_gb for r in ok], ".2f")
+        cpus = min_med_max([r.median_cpu_s for r in ok], ".3f")
+        rss = min_med_max([r.peak_rss_gb for r in ok], ".3f")
         if len(ok) < len(runs):  # some repeats failed: say how many and why
             failed = sorted({r.status for r in runs if not r.ok})
             times += f" ({len(ok)}/{len(runs)} ok; {'; '.join(failed)})"
-        t_ratio = f"{time_med / base_time:.2f}" if base_time else "—"
-        m_ratio = f"{rss_med / base_rss:.2f}" if base_rss else "—"
+        ratios = [f"{v / b:.2f}" if b else "—" for v, b in ((time_med, base_time), (cpu_med, base_cpu), (rss_med, base_rss))]
+        load = min_med_max([r.load_1min for r in runs], ".1f")
         loss = f"{ok[0].losses[0]:.4f} → {ok[0].losses[-1]:.4f}"
-        cpu = f"{statistics.median(r.cpu_step_s for r in ok):.3f}"
-        row = f"| {impl} | {times} | {cpu} | {rss} | {t_ratio} | {m_ratio} | {loss} |"
+        row = f"| {name} | {times} | {cpus} | {rss} | {' | '.join(ratios)} | {load} | {loss} |"
         if counted:
             moved = ok[0].elements
             by_op = ", ".join(f"{op} {n / 1e6:.1f}M" for op, n in sorted(moved.items()) if op != "wire")
             row += f" {by_op} · {moved.get('wire', 0) / 1e6:.1f}M |"
-        rows.append(row)
-    return "\n".join(rows)
+        lines.append(row)
+    return "\n".join(lines)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -551,11 +565,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--timeout", type=float, default=1200.0, help="wall-clock limit per run, seconds")
-    p.add_argument("--json", type=Path, default=None, help="write the raw per-run numbers here")
-    p.add_argument("--log-dir", type=Path, default=None, help="keep each rank's output here (default: a temp dir, deleted)")
+    p.add_argument("--baseline", default=BASELINE_IMPL, help="the row the ratio columns divide by")
+    p.add_argument("--code", default="", help="LABEL=CHECKOUT[,...]: run the shardwise rows once per checkout "
+                                              "(alternated), labelled; the other rows once per repeat")
     p.add_argument("--count-elements", action="store_true",
                    help="count the elements every collective moves per step (a counting wrapper of gloo)")
-    p.add_argument("--baseline", default="", help=f"a shardwise checkout for the {BASELINE_ROW} row")
+    p.add_argument("--json", type=Path, default=None, help="write the raw per-run numbers here")
+    p.add_argument("--log-dir", type=Path, default=None, help="keep each rank's output here (default: a temp dir, deleted)")
     # Internal: the driver re-runs this file with these to start one rank.
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
@@ -565,8 +581,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         unknown = [i for i in args.impls if i not in SETUPS]
         if unknown:
             p.error(f"unknown impl(s) {unknown}; valid: {','.join(ALL_IMPLS)}")
-        if BASELINE_ROW in args.impls and not args.baseline:
-            p.error(f"the {BASELINE_ROW} row needs --baseline PATH (a shardwise checkout)")
         if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.world_size < 1:
             p.error("need --steps >= 1, --warmup >= 0, --repeats >= 1, --world-size >= 1")
     return args
@@ -593,18 +607,25 @@ def main(argv: Optional[list[str]] = None) -> None:
           f"{args.warmup} warmup + {args.steps} measured steps, {args.repeats} repeat(s), 1 thread per rank, gloo",
           flush=True)
 
+    codes = [tuple(c.split("=", 1)) for c in args.code.split(",") if c] if args.code else []
+    # (impl, code label, checkout): every shardwise row once per checkout, the others once
+    plan = [(impl, label, str(Path(path).resolve())) for impl in args.impls
+            for label, path in (codes if codes and impl.startswith("shardwise") else [("", "")])]
     results: list[RunResult] = []
     for repeat in range(args.repeats):
-        for impl in args.impls:  # interleaved: A, B, C, A, B, C, ...
-            res = launch_run(RunSpec(impl=impl, **spec_kw), repeat, args.world_size, args.timeout, log_dir,
-                             str(Path(args.baseline).resolve()) if args.baseline else "")
+        for impl, label, checkout in plan:  # interleaved: A, B, C, A, B, C, ...
+            res = launch_run(RunSpec(impl=impl, code=label, **spec_kw), repeat, args.world_size, args.timeout, log_dir,
+                             checkout or None)
+            res.impl = row_name(impl, label)
             results.append(res)
-            detail = (f"{res.median_step_s:.3f} s/step ({res.cpu_step_s:.3f} CPU s), peak RSS {res.peak_rss_gb:.2f} GB, "
-                      f"load {os.getloadavg()[0]:.1f}" if res.ok else res.status)
-            print(f"  repeat {repeat + 1}/{args.repeats} {impl:>9}: {detail}  ({res.wall_s:.0f} s wall)", flush=True)
+            detail = (f"{res.median_step_s:.3f} s/step, {res.median_cpu_s:.3f} CPU s, "
+                      f"{res.median_page_faults / 1e3:.0f}k page faults, peak RSS {res.peak_rss_gb:.3f} GB"
+                      if res.ok else res.status)
+            print(f"  repeat {repeat + 1}/{args.repeats} {res.impl:>9}: {detail}  (load {res.load_1min:.1f}, "
+                  f"{res.wall_s:.0f} s wall)", flush=True)
 
     print()
-    print(summarize(results, args.impls))
+    print(summarize(results, [row_name(impl, label) for impl, label, _ in plan], args.baseline))
 
     if args.json is not None:
         payload = {"config": {**spec_kw, "world_size": args.world_size, "repeats": args.repeats, "impls": args.impls},

@@ -389,7 +389,7 @@ class CollectiveCounter:
             def counted(*args, _name=name, _orig=original, **kwargs):
                 # all_gather/reduce_scatter: (output, input, group, ...); all_reduce: (tensor, group, ...); the
                 # group may come by keyword (collectives.run_agreed), so the arguments are passed on as they came
-                group = kwargs.get("group", args[2] if _name != "all_reduce_sum" else args[1])
+                group = kwargs["group"] if "group" in kwargs else args[2 if _name != "all_reduce_sum" else 1]
                 if group is None or group is not control_group():  # the ranks' agreements are not data
                     sent = args[1] if _name == "reduce_scatter_into" else args[0]
                     self.calls[_name] += 1

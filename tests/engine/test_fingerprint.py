@@ -293,12 +293,16 @@ def _exchanges_per_step(rank: int, world: int, strategy: str, reorder_at: int) -
 ])
 def test_agreeing_ranks_exchange_once_per_phase_after_the_first_step(strategy, world, collectives):
     """Step 1 has no agreed sequence yet: every collective is exchanged. From step 2 on, one exchange at the
-    start of the forward and one at the start of the backward, whatever the number of collectives. A change
-    every rank makes alike (two blocks swapped at step 3) costs exchanges from where it starts, no error, and
-    one more step (prefetch follows the new order from the step after it), then again two a step."""
+    start of the forward and one at the start of the backward, whatever the number of collectives, plus one
+    at its end: the agreement on which parameters got a gradient (core/grad_usage.py), a control collective
+    outside the unit schedule, exchanged before it is issued like every such collective. A change every
+    rank makes alike (two blocks swapped at step 3) costs exchanges from where it starts, no error, and one
+    more step (prefetch follows the new order from the step after it), then again three a step."""
     results = run_distributed(_exchanges_per_step, world, strategy, 2)
+    usage = 1  # the grad-usage agreement: one exchange and one call a step
     for per_step in results:
         exchanges, counts = zip(*per_step)
-        assert set(counts) == {collectives}, per_step
-        assert exchanges[0] == 2 + collectives and exchanges[1] == 2 and exchanges[4] == 2, per_step
-        assert 2 < exchanges[2] <= 2 + collectives, per_step
+        assert set(counts) == {collectives + usage}, per_step
+        assert exchanges[0] == 2 + collectives + usage and exchanges[1] == 2 + usage, per_step
+        assert exchanges[4] == 2 + usage, per_step
+        assert 2 + usage < exchanges[2] <= 2 + collectives + usage, per_step

@@ -245,8 +245,9 @@ def _offload_muon_kwargs(rank, world):
 
 def _offload_steps_in_backward(rank, world):
     """offload_optimizer steps each unit during backward, as its gradient lands (every collective behind that
-    gradient was agreed before it was issued: nothing is left to compare at backward's end), and training
-    equals the run without offload."""
+    gradient was agreed before it was issued, and which of its parameters got a gradient was agreed before
+    its hand-out, on the training thread: core/reduction.py, grad_usage.agree_now), and training equals the
+    run without offload."""
     (x, y), = make_batches(1, VOCAB)
     params, moved_in_backward = [], None
     for offload in (False, True):

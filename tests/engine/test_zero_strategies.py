@@ -190,7 +190,8 @@ def test_accumulation_matches_and_gathers_once_per_optimizer_step(world_size, st
     for step, c in enumerate(r["counts"]):
         # Step 0 gathers at its first forward (nothing was gathered yet); later steps right after the
         # optimizer step: once per group either way, never again in the second micro-batch or in backward
-        # (whether a kept copy is refilled rides in each forward's start agreement: no collective of its own).
+        # (whether a kept copy is refilled rides in each forward's start agreement: no collective of its own;
+        # which parameters got a gradient is agreed on the control group, core/grad_usage.py: not data, not counted).
         assert c["all_gather_into"] == groups, (step, c)
         if strategy == "shard_optim":
             assert c["all_reduce_sum"] == groups and c["reduce_scatter_into"] == 0, (step, c)

@@ -46,7 +46,8 @@ from shardwise.errors import ShardwiseError
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast_buffers", "clip_grad_norm", "state_dict",
        "summon_full_params", "checkpoint", "kept_copy_agreement", "grad_reduction",
        "optimizer_state_check", "tensor_hook_gather", "overflow_vote", "load_state_dict", "phase_start",
-       "buffer_changes", "plan_check", "muon_exchange", "host_reduction", "save_whole_model")
+       "buffer_changes", "plan_check", "muon_exchange", "host_reduction", "save_whole_model", "initial_weights",
+       "rng_state", "grad_usage")
 MODEL = 256**3 - 1  # the unit field of a collective that belongs to the model as a whole, not to one unit
 PHASES = ("idle", "forward", "forward without grad", "backward")
 RING = 16  # collectives each rank remembers for stall reports

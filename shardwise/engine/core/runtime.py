@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from shardwise.engine.base import collectives, watchdog
 from shardwise.engine.base.device import control_group
-from shardwise.engine.core import reduction
+from shardwise.engine.core import grad_usage, reduction
 from shardwise.engine.core.reduction import Reduction
 from shardwise.engine.base.mixed_precision import MixedPrecision
 from shardwise.engine.base.strategy import ProcessGroups, Strategy
@@ -38,10 +38,13 @@ KEPT_STALE, BUFFERS_CHANGED = 1, 2  # what a rank says at a forward's start; the
 class ModelRuntime:
     """State shared by all units of one sharded model: phase, forward order, pending reductions."""
 
-    MAX_PENDING_REDUCES = 2  # reductions left in flight while backward goes on (add_pending finishes older ones)
-    # Unsharded gradient flats alive at once: the pending ones plus the one being packed, which
-    # FlatGroup.reduce_grads allocates before add_pending finishes the oldest (what the planner counts).
-    MAX_GRAD_FLATS_ALIVE = MAX_PENDING_REDUCES + 1
+    # Reductions left in flight while backward goes on: one overlaps the next unit's backward (FSDP2's
+    # schedule); each one more holds another flat of the widest unit (measured: 52 MB at gpt-170m, 2 ranks).
+    MAX_PENDING_REDUCES = 1
+    # Unsharded gradient flats alive at once (what the planner counts): make_room_for_reduction finishes the
+    # oldest reduction before FlatGroup.reduce_grads allocates the next flat, so the one being packed is
+    # one of the MAX_PENDING_REDUCES.
+    MAX_GRAD_FLATS_ALIVE = MAX_PENDING_REDUCES
 
     def __init__(self, strategy: Strategy, groups: ProcessGroups, mixed_precision: MixedPrecision, prefetch: bool,
                  *, plan=None, state_dict_keys: Optional[list[str]] = None, device: Optional[torch.device] = None,
@@ -157,6 +160,11 @@ class ModelRuntime:
             if self.checker is not None:
                 self.checker.begin_phase("backward")
 
+    def make_room_for_reduction(self) -> None:
+        """Finish the oldest reductions until one more may start: called before its flat is allocated."""
+        while len(self._pending) >= self.MAX_PENDING_REDUCES:
+            reduction.finish(self._pending.popleft())
+
     def add_pending(self, pending: Reduction) -> None:
         self._pending.append(pending)
         while len(self._pending) > self.MAX_PENDING_REDUCES:
@@ -174,6 +182,7 @@ class ModelRuntime:
             for u in self.units:
                 for g in u.flat_groups:
                     if g.has_unsynced_grad():
+                        self.make_room_for_reduction()
                         self.add_pending(g.reduce_grads([None] * len(g.plan.params), sync=True))
             self.finish_pending()
             # ZeRO-1/2: the optimizer step that follows a synced backward changes the shards; refill the kept
@@ -182,10 +191,14 @@ class ModelRuntime:
             self.shards_written()
         if self.transfers is not None:
             self.transfers.end_backward()  # every offloaded gradient on the host and handed out
+        # Before backward returns, so no optimizer sees a gradient of a parameter no rank used (grad_usage.py).
+        usage = self._agree_usage() if self.require_grad_sync else {}
         if self.checker is not None:
             self.checker.end_phase()
         for g in self.flat_groups():
-            g.sink.end_backward(g)  # (the surface's: gradients that reached a parameter directly, a penalty)
+            # Drops the gradients of parameters no rank used; (the surface's sink: then the gradients that
+            # reached a parameter directly, a penalty).
+            g.sink.end_backward(g, usage.get(id(g)))
         for u in self.units:
             u.owed_backwards = 0
             u.backward_views = None
@@ -193,6 +206,28 @@ class ModelRuntime:
                 u.bind_sharded()
                 u.reshard()
         self.phase = Phase.IDLE
+
+    def _agree_usage(self) -> dict[int, list[bool]]:
+        """id(group) -> which of its parameters any rank's reductions gave a gradient since the last synced
+        backward, for every group that reduced; every trainable group's marks travel, so the exchange has
+        the same size on every rank whatever ran (grad_usage.py: agreed, on the control group)."""
+        groups = [g for g in self.flat_groups() if g.plan.requires_grad]
+        marks, reduced = [], {}
+        for g in groups:
+            used, g.used_this_backward = g.used_this_backward, None
+            marks += used if used is not None else [False] * len(g.plan.params)
+            if used is not None:
+                reduced[id(g)] = used
+        if self.pgs.data_parallel_size == 1:
+            return reduced
+        agreed = grad_usage.agree(marks, self.checker)
+        at = 0
+        for g in groups:
+            n = len(g.plan.params)
+            if id(g) in reduced:
+                reduced[id(g)] = agreed[at:at + n]
+            at += n
+        return reduced
 
     # [Note: one path decides the shards were written] ZeRO-1/2 keep each unit's gathered parameters
     # across steps, so the kept copy goes stale whenever a shard is written: an optimizer step, a load
@@ -258,6 +293,7 @@ class ModelRuntime:
         while self._pending:
             reduction.finish(self._pending.popleft(), discard=True)
         for g in self.flat_groups():
+            g.used_this_backward = None
             g.sink.recover(g)
         if self.transfers is not None:
             self.transfers.recover()

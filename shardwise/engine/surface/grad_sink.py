@@ -15,8 +15,8 @@ import torch
 
 from shardwise.engine.core.seams import GradSink, like_shard
 from shardwise.engine.surface.direct_grads import DirectGrads
-from shardwise.engine.surface.param_hooks import (full_grad, has_tensor_hooks, hooked_piece, refuse_under_no_sync,
-                                                  run_post_accumulate_grad_hooks, tensor_hooks)
+from shardwise.engine.surface.param_hooks import (full_grad, has_tensor_hooks, hooked_piece, post_accumulate_grad_hooks,
+                                                  refuse_under_no_sync, run_post_accumulate_grad_hooks, tensor_hooks)
 from shardwise.engine.surface.pieces import ShardGrad, as_shard_grad, local_only
 
 
@@ -30,13 +30,13 @@ class PieceGradSink(GradSink):
         self.direct = DirectGrads(on_direct_grad)  # gradients that reach the parameters directly (a penalty)
         self._full: Optional[torch.Tensor] = None  # the whole gradient for tensor hooks, gathered by deliver
 
-    def deliver(self, group, grad_shard: torch.Tensor, final: bool) -> None:
+    def deliver(self, group, grad_shard: torch.Tensor, final: bool, used=None) -> None:
         # The tensor hooks' gradient gather is a collective: issued here, on the training thread, never on the
         # offload worker thread that may run ``accumulate`` (collectives.py: one issuing thread).
         with local_only():
             hooked = has_tensor_hooks(group)
         self._full = full_grad(group, grad_shard.to(group.plan.dtype)) if hooked else None
-        super().deliver(group, grad_shard, final)
+        super().deliver(group, grad_shard, final, used)
 
     def set_grad(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
         with local_only():
@@ -53,16 +53,28 @@ class PieceGradSink(GradSink):
                 self.set_grad(p, as_shard_grad(p.grad, key))
             p.grad.add_(piece)
 
-    def accumulate(self, group, grad_shard: torch.Tensor) -> None:
+    def wants_usage_at_hand_out(self, group) -> bool:
+        """Post-accumulate-grad hooks run at the hand-out, and an offload optimizer may step there."""
+        consumer = group.transfers.consumer if group.transfers is not None else None
+        with local_only():
+            return (any(post_accumulate_grad_hooks(p) for p in group.shard_params)
+                    or bool(consumer is not None and consumer.steps_in_backward))
+
+    def accumulate(self, group, grad_shard: torch.Tensor, used=None) -> None:
         """Give each trainable shard parameter its piece of ``grad_shard`` (a view, so grads stay one flat
-        buffer), then run its post-accumulate-grad hooks as autograd would have."""
+        buffer), then run its post-accumulate-grad hooks as autograd would have; with ``used``, only the
+        parameters some rank used get either. No collective here: under CPU offload this runs on the offload
+        worker thread (``deliver`` gathered the tensor hooks' gradient and ``reduction.finish`` agreed
+        ``used`` on the training thread)."""
+        with local_only():
+            self.begin_hand_outs(group)
         grad_shard = like_shard(group, grad_shard)
         full, self._full = self._full, None  # (deliver gathered it)
-        for p, (lo, hi, at), spec in zip(group.shard_params, group.local_slices, group.plan.params):
+        for i, (p, (lo, hi, at), spec) in enumerate(zip(group.shard_params, group.local_slices, group.plan.params)):
             with local_only():
                 trainable, hooked = p.requires_grad, full is not None and bool(tensor_hooks(p))
-            if not trainable:
-                continue  # frozen after shard(): autograd would give it no gradient either
+            if not trainable or (used is not None and not used[i]):
+                continue  # frozen after shard(), or no rank used it: autograd would give it no gradient either
             if hooked:  # (user code: runs with pieces' rules on)
                 piece = hooked_piece(p, spec, full, lo, hi).to(grad_shard.device)
             else:
@@ -78,16 +90,19 @@ class PieceGradSink(GradSink):
         with local_only():
             refuse_under_no_sync(group)  # tensor hooks would see the sum of the micro-batches
 
-    def mark_unsynced(self, group) -> None:
+    def mark_unsynced(self, group, used=None) -> None:
         with local_only():
-            super().mark_unsynced(group)
+            super().mark_unsynced(group, used)
 
     def unsynced_held(self, group) -> bool:
         with local_only():
             return super().unsynced_held(group)
 
-    def end_backward(self, group) -> None:
-        self.direct.hand_out(group, self)
+    def end_backward(self, group, used) -> None:
+        with local_only():
+            super().end_backward(group, used)  # parameters no rank used: no gradient
+        self.keep_grads(self.direct.hand_out(group, self))
 
     def recover(self, group) -> None:
+        super().recover(group)
         self.direct.drop()
