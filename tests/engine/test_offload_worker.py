@@ -54,7 +54,10 @@ def _race(rank: int, world: int, case: str, slow_rank: int) -> dict:
             time.sleep(0.2)
         take_landing(landing)
 
-    opt._transfers.consumer = type("Slow", (), {"take_landing": staticmethod(slow_landing)})()
+    # The optimizer in the consumer's place but for the slowed landing (the sinks also read whether it steps in
+    # backward: then each reduction's grad usage is agreed before its hand-out, on the training thread).
+    opt._transfers.consumer = type("Slow", (), {"take_landing": staticmethod(slow_landing),
+                                                "steps_in_backward": opt.steps_in_backward})()
     for x, y in make_batches(STEPS, VOCAB):
         gpt_loss(model, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
         opt.step()
