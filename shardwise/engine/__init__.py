@@ -6,7 +6,7 @@ down only (tests/test_layering.py)::
     user code sees of parameters and gradients), and the loose modules here (shard(), clipping, state dicts)
 
 Reading order of one training step (full_shard, the default: checks on, no offload, a model with buffers;
-forward, backward, ``shardwise.clip_grad_norm_``, ``optimizer.step()``). The step enters these 22 files
+forward, backward, ``shardwise.clip_grad_norm_``, ``optimizer.step()``). The step enters these 23 files
 (tests/engine/test_reading_order.py traces one and holds this list to it):
 
  1. ``base/plan.py``            units -> flat groups (unit x dtype x requires_grad), offsets, padding: pure layout
@@ -23,16 +23,17 @@ forward, backward, ``shardwise.clip_grad_norm_``, ``optimizer.step()``). The ste
 10. ``base/torch_internals.py`` the torch internals the step relies on, one function each
 11. ``base/nested.py``          the tensors inside a unit's outputs (to hook them for backward)
 12. ``base/strategy.py``        the process groups and the data-parallel size
-13. ``checks/fingerprint.py``   the ranks agree on every collective before it is issued (once per phase)
-14. ``surface/shard_param.py``  the parameter factory: ``ShardParam``, what the core asks about it
-15. ``surface/grad_sink.py``    the gradient sink: ``.grad`` pieces, hooks, direct gradients
-16. ``surface/pieces.py``       the pieces' table (exact norms, ``local_only``)
-17. ``surface/param_hooks.py``  tensor hooks and post-accumulate-grad hooks at hand-out
-18. ``surface/direct_grads.py`` gradients that reached a parameter directly (a penalty)
-19. ``surface/optimizer_guard.py`` the optimizer step hooks
-20. ``buffer_broadcast.py``     rank 0's buffers before each forward
-21. ``grad_norm.py``            ``clip_grad_norm_``
-22. ``ddp_idioms.py``           the root model's attribute lookups (``model.module`` is a named error; DDP's
+13. ``base/device.py``          the control group: the gloo host group that carries the ranks' agreements
+14. ``checks/fingerprint.py``   the ranks agree on every collective before it is issued (once per phase)
+15. ``surface/shard_param.py``  the parameter factory: ``ShardParam``, what the core asks about it
+16. ``surface/grad_sink.py``    the gradient sink: ``.grad`` pieces, hooks, direct gradients
+17. ``surface/pieces.py``       the pieces' table (exact norms, ``local_only``)
+18. ``surface/param_hooks.py``  tensor hooks and post-accumulate-grad hooks at hand-out
+19. ``surface/direct_grads.py`` gradients that reached a parameter directly (a penalty)
+20. ``surface/optimizer_guard.py`` the optimizer step hooks
+21. ``buffer_broadcast.py``     rank 0's buffers before each forward
+22. ``grad_norm.py``            ``clip_grad_norm_``
+23. ``ddp_idioms.py``           the root model's attribute lookups (``model.module`` is a named error; DDP's
                                 ``no_sync()`` and ``require_backward_grad_sync`` on the model)
 
 ``api.py`` builds all of it (``shard()``); docs/ARCHITECTURE.md draws the step and lists every file.

@@ -45,20 +45,20 @@ def unpack(words: Sequence[int], n: int) -> list[bool]:
 
 
 def agree(marks: list[bool], checker) -> list[bool]:
-    """Every rank's ``marks`` ORed at the end of a synced backward (see ``_summed``)."""
+    """Every rank's ``marks`` ORed at the end of a synced backward (see ``_ored``)."""
     if not marks:
         return marks
-    return _summed(marks, checker, "the agreement on which parameters got a gradient")
+    return _ored(marks, checker, "the agreement on which parameters got a gradient")
 
 
 def agree_now(marks: Sequence[bool], checker, unit: int, what: str) -> list[bool]:
     """One reduction's marks ORed across ranks before its gradient is handed out, for a sink whose hand-out
     acts on it at once (a post-accumulate-grad hook, an optimizer stepping in backward). Called from
     ``reduction.finish`` on the training thread, never from the offload worker (collectives.py)."""
-    return _summed(marks, checker, what, unit)
+    return _ored(marks, checker, what, unit)
 
 
-def _summed(marks: Sequence[bool], checker, what: str, unit: Optional[int] = None) -> list[bool]:
+def _ored(marks: Sequence[bool], checker, what: str, unit: Optional[int] = None) -> list[bool]:
     """Control traffic: one all-gather of the packed marks (host words) on the control group over every rank,
     agreed first like any collective outside the unit schedule (``collectives.run_agreed``: the exchange
     before it has one size whatever each rank is doing, so a rank here and a rank in a tensor hook's
