@@ -90,6 +90,7 @@ class RunSpec:
     # other benchmarks (bench/netns_bench.py) can vary them without a setup of their own. JSON-serialisable.
     options: dict[str, Any] = field(default_factory=dict)
     code: str = ""  # --code LABEL of the shardwise checkout this run imports ("": this one)
+    count_elements: bool = False  # count what every collective moves (a counting wrapper of gloo, see below)
 
 
 @dataclass
@@ -100,6 +101,7 @@ class RunResult:
     median_step_s: Optional[float] = None  # max over ranks of each rank's median measured step time
     median_cpu_s: Optional[float] = None  # max over ranks of each rank's median CPU seconds per measured step
     median_page_faults: Optional[float] = None  # max over ranks of each rank's median minor page faults per step
+    elements: dict[str, float] = field(default_factory=dict)  # rank 0, per measured step (--count-elements)
     load_1min: float = 0.0  # the machine's 1-minute load average when the run started
     peak_rss_gb: Optional[float] = None  # max over ranks of ru_maxrss
     rss_gb_per_rank: list[float] = field(default_factory=list)
@@ -192,6 +194,8 @@ def setup_ddp(model: nn.Module, spec: RunSpec, reduce_dtype: str | None = None) 
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     wrapped = DistributedDataParallel(model)
+    if spec.count_elements and reduce_dtype is None:  # torch's Python twin of the built-in all-reduce: counted
+        wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
     # DDP's equivalent of a reduction dtype is a communication hook that casts each bucket before all-reduce.
     hooks = {None: None, "bfloat16": default_hooks.bf16_compress_hook, "float16": default_hooks.fp16_compress_hook}
     if reduce_dtype not in hooks:
@@ -297,6 +301,9 @@ def worker_main(spec: RunSpec, result_path: Path, meter: Meter | None = None) ->
     result: dict = {"rank": rank}
     try:
         # The driver enforces the wall-clock limit; this only keeps a lone survivor from waiting forever.
+        if spec.count_elements:
+            ElementCount.install()
+            meter = ElementCount(spec.steps)
         dist.init_process_group("gloo", timeout=timedelta(minutes=30))
         result.update(train(spec, rank, meter))
     except BaseException as exc:  # report every failure, including KeyboardInterrupt, then exit non-zero
@@ -312,6 +319,54 @@ def worker_main(spec: RunSpec, result_path: Path, meter: Meter | None = None) ->
             dist.destroy_process_group()
     if "error" in result:
         sys.exit(1)
+
+
+class ElementCount(Meter):
+    """Elements per measured step, by collective: every ``ProcessGroup`` method torch.distributed's Python API
+    calls is wrapped, so shardwise's, FSDP's and a DDP comm hook's collectives are counted alike (DDP's
+    built-in C++ all-reduce is not: under counting DDP runs torch's equivalent Python hook,
+    ``default_hooks.allreduce_hook``). ``wire``: what one rank sends for them under ring algorithms,
+    2 (N-1)/N of an all-reduce's elements and (N-1)/N of any other's. shardwise's control exchanges (a few
+    int64 each) count too."""
+
+    moved: dict[str, float] = {}
+    # ProcessGroup method -> (the collective's name, which argument holds the elements, wire factor)
+    METHODS = {"allreduce": ("all_reduce", 0, 2), "allgather": ("all_gather", 0, 1),
+               "all_gather_single": ("all_gather", 0, 1), "_allgather_base": ("all_gather", 0, 1),
+               "reduce_scatter": ("reduce_scatter", 1, 1), "reduce_scatter_single": ("reduce_scatter", 1, 1),
+               "_reduce_scatter_base": ("reduce_scatter", 1, 1), "alltoall_base": ("all_to_all", 1, 1),
+               "all_to_all_single": ("all_to_all", 1, 1), "broadcast": ("broadcast", 0, 1)}
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    @classmethod
+    def install(cls) -> None:
+        for method, (name, arg, factor) in cls.METHODS.items():
+            original = getattr(dist.ProcessGroup, method, None)
+            if original is None:
+                continue
+
+            def counted(group, *args, _orig=original, _name=name, _arg=arg, _factor=factor, **kwargs):
+                numel = sum(t.numel() for t in _flat_tensors(args[_arg]))
+                size = group.size()
+                cls.moved[_name] = cls.moved.get(_name, 0) + numel
+                cls.moved["wire"] = cls.moved.get("wire", 0) + numel * _factor * (size - 1) / size
+                return _orig(group, *args, **kwargs)
+
+            setattr(dist.ProcessGroup, method, counted)
+
+    def start(self) -> None:
+        ElementCount.moved = {}
+
+    def stop(self) -> dict:
+        return {"elements": {op: n / self.steps for op, n in ElementCount.moved.items()}}
+
+
+def _flat_tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for item in x for t in _flat_tensors(item)]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -436,6 +491,7 @@ def launch_run(spec: RunSpec, repeat: int, world_size: int, timeout_s: float, lo
     else:
         result.median_step_s = max(r["median_step_s"] for r in reports)
         result.median_cpu_s = max(r["median_cpu_s"] for r in reports)
+        result.elements = reports[0].get("elements", {})
         result.median_page_faults = max(r["median_page_faults"] for r in reports)
         result.peak_rss_gb = max(result.rss_gb_per_rank)
         result.step_times_s = reports[0]["step_times_s"]
@@ -466,13 +522,16 @@ def summarize(results: list[RunResult], rows: list[str], baseline: str = BASELIN
     header = ("| impl | step time s (min / median / max) | CPU s per step per rank (min / median / max) "
               f"| peak RSS per rank GB (min / median / max) | time vs {baseline} | CPU vs {baseline} "
               f"| RSS vs {baseline} | load (1 min) | loss rank 0 (first → last step) |")
-    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    counted = any(r.elements for r in results)
+    if counted:
+        header += " elements moved per step (by collective) · wire elements per rank |"
+    lines = [header, "|---|---|---|---|---|---|---|---|---|" + ("---|" if counted else "")]
     for name in rows:
         runs = by_row[name]
         ok = [r for r in runs if r.ok]
         if not ok:
             reasons = sorted({r.status for r in runs})
-            lines.append(f"| {name} | {'; '.join(reasons)} | — | — | — | — | — | — | — |")
+            lines.append(f"| {name} | {'; '.join(reasons)} | — | — | — | — | — | — | — |" + (" — |" if counted else ""))
             continue
         time_med, cpu_med, rss_med = medians(name)
         times = min_med_max([r.median_step_s for r in ok], ".3f")
@@ -484,7 +543,12 @@ def summarize(results: list[RunResult], rows: list[str], baseline: str = BASELIN
         ratios = [f"{v / b:.2f}" if b else "—" for v, b in ((time_med, base_time), (cpu_med, base_cpu), (rss_med, base_rss))]
         load = min_med_max([r.load_1min for r in runs], ".1f")
         loss = f"{ok[0].losses[0]:.4f} → {ok[0].losses[-1]:.4f}"
-        lines.append(f"| {name} | {times} | {cpus} | {rss} | {' | '.join(ratios)} | {load} | {loss} |")
+        row = f"| {name} | {times} | {cpus} | {rss} | {' | '.join(ratios)} | {load} | {loss} |"
+        if counted:
+            moved = ok[0].elements
+            by_op = ", ".join(f"{op} {n / 1e6:.1f}M" for op, n in sorted(moved.items()) if op != "wire")
+            row += f" {by_op} · {moved.get('wire', 0) / 1e6:.1f}M |"
+        lines.append(row)
     return "\n".join(lines)
 
 
@@ -504,6 +568,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--baseline", default=BASELINE_IMPL, help="the row the ratio columns divide by")
     p.add_argument("--code", default="", help="LABEL=CHECKOUT[,...]: run the shardwise rows once per checkout "
                                               "(alternated), labelled; the other rows once per repeat")
+    p.add_argument("--count-elements", action="store_true",
+                   help="count the elements every collective moves per step (a counting wrapper of gloo)")
     p.add_argument("--json", type=Path, default=None, help="write the raw per-run numbers here")
     p.add_argument("--log-dir", type=Path, default=None, help="keep each rank's output here (default: a temp dir, deleted)")
     # Internal: the driver re-runs this file with these to start one rank.
@@ -531,7 +597,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     block_size = GPTConfig(**PRESETS[args.model]).block_size
     default_t, default_b = DEFAULT_SHAPES.get(args.model, (block_size, FALLBACK_BATCH))
     spec_kw = dict(model=args.model, seq_len=args.seq_len or default_t, batch=args.batch or default_b,
-                   steps=args.steps, warmup=args.warmup, seed=args.seed, lr=args.lr)
+                   steps=args.steps, warmup=args.warmup, seed=args.seed, lr=args.lr, count_elements=args.count_elements)
     if spec_kw["seq_len"] > block_size:
         sys.exit(f"--seq-len {spec_kw['seq_len']} exceeds {args.model}'s block_size {block_size}")
 

@@ -115,6 +115,13 @@ class ShardPiece(torch.Tensor):
                 f"{_name(func)} on a sharded parameter or its gradient: it is this rank's 1-D piece of the "
                 f"whole, and the answer depends on positions in the whole tensor; compute it in a tensor hook "
                 f"(p.register_hook, which sees the full gradient) or inside shardwise.summon_full_params")
+        if func in _COLLECTIVES:
+            raise ShardwiseError(
+                f"torch.distributed.{_name(func)} on a sharded parameter or its gradient: it is this rank's 1-D "
+                f"piece of the whole, of another size on another rank, and a gradient is already averaged over "
+                f"the ranks by shardwise (p.grad needs no all_reduce); reduce it with torch's own functions "
+                f"(p.grad.norm(), .sum(): exact over the ranks) or read whole values with "
+                f"shardwise.summon_full_params / full_state_dict")
         if func in _RANDOM_FILLS:
             raise ShardwiseError(
                 f"{_name(func)} on a sharded parameter: a random fill draws this rank's 1-D piece on its own, so "
@@ -387,6 +394,13 @@ for _fn, _how in (("sum", "sum"), ("max", "max"), ("min", "min"), ("amax", "max"
 _EXACT[torch.Tensor.mean] = _EXACT[torch.mean] = _full_reduction("sum", "sum", _mean_finish)
 for _fn, _how in (("any", "max"), ("all", "min")):
     _EXACT[getattr(torch.Tensor, _fn)] = _EXACT[getattr(torch, _fn)] = _bool_reduction(_fn, _how)
+
+# torch.distributed's collectives on a piece (they call __torch_function__ since torch 2.4): a piece's size
+# differs by rank, so the ranks would pair different sizes at the wire. Refused on every rank alike, no traffic.
+_COLLECTIVES = {getattr(dist, n) for n in (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "all_to_all", "all_to_all_single",
+    "gather", "scatter", "send", "recv", "isend", "irecv") if hasattr(dist, n)}
 
 _REFUSED = {getattr(mod, n) for mod in (torch, torch.Tensor) for n in (
     "sort", "argsort", "msort", "topk", "kthvalue", "argmax", "argmin", "median", "nanmedian", "mode", "quantile",

@@ -70,6 +70,8 @@ class ShardParam(ShardPiece, nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is torch.Tensor.data:
+            _written_through_data(args[0])
         handler = _AUTOGRAD_CALLS.get(func)
         if handler is not None:
             return handler(*args, **kwargs)
@@ -102,6 +104,15 @@ class ShardParam(ShardPiece, nn.Parameter):
 
 
 _FOREACH_TYPES.append(ShardParam)
+
+
+def _written_through_data(p: torch.Tensor) -> None:
+    """``p.data`` was read: an in-place write through it (an EMA swap, pruning) moves no version counter, so
+    the group is signalled as written (core/flat_group.py: ZeRO-1/2 refill their kept copy at the next
+    top-level entry; a read alone costs one all-gather there)."""
+    where = where_of(p)
+    if where is not None:
+        where[0].written = True
 
 
 def make_shard_param(data: torch.Tensor, info: PieceInfo, requires_grad: bool) -> ShardParam:
