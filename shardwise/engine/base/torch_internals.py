@@ -31,3 +31,16 @@ def call_after_backward(fn: Callable[[], None]) -> None:
     autograd engine (dropped if the backward raises). Private API ``Variable._execution_engine.queue_callback``
     (checked on torch 2.11 and 2.13; DDP and FSDP2 end their backward the same way)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def storage_held_only_by(buffer: torch.Tensor, views: list[torch.Tensor]) -> bool:
+    """Whether ``buffer``'s storage is held by no tensor but ``buffer``, one other tensor on it (a gathered
+    buffer's collective alias) and ``views``, none of which is held by anything but its Python object: then no
+    autograd node, saved tensor or other tensor can read that memory. Private ``torch._C._storage_Use_Count``
+    (a storage's reference count: one per tensor on it, one per Python storage object) and
+    ``Tensor._use_count`` (a tensor's: one per Python object, saved variable or view that holds it), checked
+    on torch 2.11 and 2.13 (``torch.utils.swap_tensors`` reads the latter)."""
+    storage = buffer.untyped_storage()  # (this Python object holds one reference while we look)
+    if torch._C._storage_Use_Count(storage._cdata) != 3 + len(views):
+        return False
+    return all(v._use_count() == 1 for v in views)
