@@ -15,9 +15,9 @@ What is counted, per rank (see engine/core/flat_group.py for the buffer lifetime
                       gradient, trainable padded_numel x reduce dtype)
     optimizer shards  AdamW: 2 x trainable shard_numel x master dtype
     gathered          root unit (gathered from forward until its head's backward is done) + the largest unit
-                      + the next one (prefetched); shard_grad_op / no_shard keep every unit gathered from forward to backward;
-                      shard_optim / shard_optim_grad (ZeRO-1/2) keep every unit gathered all the time, through
-                      the optimizer step too
+                      + the next one (prefetched); shard_grad_op / no_shard keep every unit gathered from
+                      forward to backward; shard_optim / shard_optim_grad (ZeRO-1/2) keep every unit gathered
+                      all the time, through the optimizer step too
     grad reduction    one unit's unsharded gradients (compute dtype) + the gradient flats alive at once
                       (reduce dtype: the one being packed and those still in flight)
     scratch           what a gloo collective allocates beside its buffer (CPU only): the all-reduce ring's
@@ -207,7 +207,6 @@ class _Buffers:
     grad_shard: int
     optim_shard: int
     gathered: int
-    root: int
     kept: int  # gathered bytes kept through the optimizer step (ZeRO-1/2)
     last_blocks: int  # the two blocks gathered in the last blocks' backward (one in backward, one prefetched)
     block_reduce: int  # the widest block's unsharded gradients + its gradient flat (+ gloo scratch)
@@ -268,10 +267,10 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
 
     scratch = scratch_for(max(largest, root.gathered), max(widest.grad_flat, root.grad_flat))
     prof = _activations(inputs, cache, spec, model, plan, policy)
-    # The end of backward gathers nothing (the root stayed gathered since forward): its collective is the
+    # The end of backward gathers nothing (the root was gathered in forward): its collective is the
     # root's reduction or, for a root with nothing trainable (LoRA's frozen embeddings and head), the last
     # block's still in flight.
-    buffers = _Buffers(param_shard, grad_shard, optim_shard, gathered, root.gathered,
+    buffers = _Buffers(param_shard, grad_shard, optim_shard, gathered,
                        kept=gathered if strategy.keeps_params_gathered else 0,
                        last_blocks=largest + prefetched,
                        block_reduce=reduce_bytes(widest) - pending * widest.grad_flat
