@@ -123,8 +123,7 @@ def _scenarios():
         for opt in ("sgd", "adamw"):
             out[f"gpt tie={tie} {opt}"] = (lambda r, w, tie=tie, opt=opt:
                                            _train(_gpt(tie_weights=tie), simple_step(gpt_loss), r, w, opt))
-    torch.manual_seed(0)
-    out["ctx attribute"] = lambda r, w: _train(_GainedGPT(tiny_gpt_config()), simple_step(_loss), r, w)
+    out["ctx attribute"] = lambda r, w: _train(_seeded(_GainedGPT), simple_step(_loss), r, w)
     for reentrant in (False, True):
         out[f"recompute reentrant={reentrant}"] = (lambda r, w, reentrant=reentrant: _train(
             _seeded(_CheckpointedStemGPT, reentrant), simple_step(_loss), r, w))
