@@ -39,8 +39,12 @@ def storage_held_only_by(buffer: torch.Tensor, views: list[torch.Tensor]) -> boo
     autograd node, saved tensor or other tensor can read that memory. Private ``torch._C._storage_Use_Count``
     (a storage's reference count: one per tensor on it, one per Python storage object) and
     ``Tensor._use_count`` (a tensor's: one per Python object, saved variable or view that holds it), checked
-    on torch 2.11 and 2.13 (``torch.utils.swap_tensors`` reads the latter)."""
+    on torch 2.11 and 2.13 (``torch.utils.swap_tensors`` reads the latter); where either is missing, False
+    (the memory is then kept, never freed on a guess)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or not hasattr(buffer, "_use_count"):
+        return False
     storage = buffer.untyped_storage()  # (this Python object holds one reference while we look)
-    if torch._C._storage_Use_Count(storage._cdata) != 3 + len(views):
+    if use_count(storage._cdata) != 3 + len(views):
         return False
     return all(v._use_count() == 1 for v in views)
