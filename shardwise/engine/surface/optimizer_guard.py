@@ -170,6 +170,10 @@ def _problem(p: torch.Tensor, state: dict) -> Optional[str]:
             # State made from the piece outside a step (Adagrad's constructor: full_like(p)): the optimizer
             # steps the local parameter, so its state is this rank's elements.
             value = state[name] = value._local
+        elif (isinstance(value, torch.Tensor) and not isinstance(value, Piece) and p._layout.is_whole
+              and value.shape == p.shape and value.shape != local.shape):
+            # The same under a group of one rank, where maths on the piece gives plain whole tensors.
+            value = state[name] = value.reshape(local.shape)
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != local.shape:
             return (f"holds {name!r} of shape {tuple(value.shape)}, but this rank's piece has shape "
                     f"{tuple(local.shape)}")
