@@ -13,6 +13,7 @@ from shardwise.optim.offload_optimizer import OffloadOptimizer, offload_optimize
 from shardwise.engine.logical_shapes import ParamInfo, named_param_infos, num_parameters, param_info
 from shardwise.hf.export import export_checkpoint
 from shardwise.hf.pretrained import load_pretrained, skip_weight_init
+from shardwise.hf.whole_model import save_whole_model
 from shardwise.hf.quantization import QuantSettings, quantize_model
 from shardwise.engine.state_dict import full_state_dict, load_full_state_dict
 from shardwise.engine.base.strategy import Strategy
@@ -31,6 +32,7 @@ __all__ = [
     "load_checkpoint",
     "CheckpointManager",
     "export_checkpoint",
+    "save_whole_model",
     "load_pretrained",
     "skip_weight_init",
     "QuantSettings",

@@ -1,6 +1,6 @@
 """Imports point down: the package's layers, each importing only itself and the layers below it.
 
-    errors, usage  <  engine  <  optim  <  checkpoint  <  quant  <  hf  <  planner  <  trainer  <  cli
+    errors, usage  <  engine  <  optim  <  checkpoint  <  quant  <  hf  <  planner  <  trainer  <  integrations  <  cli
 
 Every import counts, those inside functions too (a lazy import is still a dependency). ``models/`` (a
 plain model with no parallelism in it) and ``quant/`` (the 4-bit format, tensors only) are leaves any layer
@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "shardwise"
-LAYERS = ["errors", "version", "usage", "engine", "models", "optim", "checkpoint", "quant", "hf", "planner", "trainer", "cli"]
+LAYERS = ["errors", "version", "usage", "engine", "models", "optim", "checkpoint", "quant", "hf", "planner", "trainer",
+          "integrations", "cli"]
 # What each layer may import beyond itself: the layers below it, with the engine's rule stricter.
 ALLOWED = {layer: set(LAYERS[:i]) for i, layer in enumerate(LAYERS)}
 ALLOWED["engine"] = {"errors"}
@@ -32,8 +33,8 @@ ALLOWED["models"] = set()
 ALLOWED["quant"] = {"errors"}
 ALLOWED["__init__"] = set(LAYERS)  # the public re-exports
 ALLOWED["__main__"] = {"cli"}
-# The trainer and the CLI use the library as a user does, through the package root.
-ROOT_IMPORTERS = {"__init__", "trainer", "cli"}
+# The trainer, the framework integrations and the CLI use the library as a user does, through the package root.
+ROOT_IMPORTERS = {"__init__", "trainer", "integrations", "cli"}
 THIRD_PARTY_FORBIDDEN = {"checkpoint": {"transformers", "peft"}, "engine": {"transformers", "peft"},
                          "optim": {"transformers", "peft"}}
 

@@ -315,3 +315,6 @@ def test_setup_lines_install_what_the_readme_and_the_tests_use():
     assert {"transformers", "peft", "tokenizers"} <= names["hf"]
     assert names["hf"] | {"pytest", "bitsandbytes"} <= names["test"]
     assert any('.[hf]' in line for line in setup), "the README installs the fine-tuning extra"
+    for framework in ("hf-trainer", "accelerate"):  # the integrations' extras, tested at the test extra's versions
+        assert any(f'.[{framework}]' in line for line in setup), framework
+        assert names[framework] <= names["test"], framework

@@ -111,6 +111,16 @@ def write_model(tmp: Path, manifest: dict, layout: list, produce: Callable[[str]
                  max_shard_bytes: int) -> list[str]:
     """The tensors of ``layout`` (each made by ``produce`` right before it is written) as one safetensors
     file or several with an index, and the model's config. Returns the safetensors file names."""
+    file_names = write_weight_files(tmp, layout, produce, max_shard_bytes)
+    _write_config(manifest, tmp, written_dtype(layout))
+    return file_names
+
+
+def write_weight_files(tmp: Path, layout: list, produce: Callable[[str], torch.Tensor],
+                       max_shard_bytes: int) -> list[str]:
+    """The tensors of ``layout``, in order, as Hugging Face lays out a model's weights: one
+    ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` of at most ``max_shard_bytes`` each (a
+    larger tensor alone) plus ``model.safetensors.index.json``. Returns the safetensors file names."""
     shards = _split(layout, max_shard_bytes)
     file_names = [SINGLE_FILE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -120,7 +130,6 @@ def write_model(tmp: Path, manifest: dict, layout: list, produce: Callable[[str]
         total = sum(_nbytes(dt, shape) for _, dt, shape in layout)
         weight_map = {name: file_name for file_name, shard in zip(file_names, shards) for name, _, _ in shard}
         write_json_durably(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    _write_config(manifest, tmp, written_dtype(layout))
     return file_names
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from torch import nn
 
 from shardwise.errors import ShardwiseError
 from shardwise.hf.quantization import has_quantised, register_with_peft
+from shardwise.quant.linear import QuantLinear
 
 ADAPTER_NAME = "default"  # peft's name for the one adapter get_peft_model adds
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the file names PeftModel.from_pretrained looks for
@@ -66,20 +68,8 @@ def quiet_peft() -> Iterator[None]:
 def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     """``peft.get_peft_model(model, ...)`` with the frozen base cast to ``settings.base_dtype``; works on a
     meta model too. Call it before ``shardwise.shard`` (freezing after shard() costs traffic, see README)."""
-    config = settings.peft_config()
-    from peft import get_peft_model
-
-    quantised = has_quantised(model)
-    if quantised:  # a 4-bit base: peft wraps QuantLinear through its custom-module hook
-        register_with_peft(config)
-    try:
-        with quiet_peft(), warnings.catch_warnings():
-            if quantised:  # peft: "Unsupported layer type ... proceed at your own risk", once per QuantLinear
-                warnings.filterwarnings("ignore", message="Unsupported layer type")
-            peft_model = get_peft_model(model, config)
-    except ValueError as e:  # peft's "Target modules {...} not found in the base model"
-        raise ShardwiseError(f"lora target_modules {','.join(settings.target_modules) or '(peft default)'}: "
-                             f"{str(e).splitlines()[0]}; {_module_names_hint(model)}") from None
+    peft_model = apply_peft_config(model, settings.peft_config(),
+                                   f"lora target_modules {','.join(settings.target_modules) or '(peft default)'}")
     if settings.base_dtype is not None:
         with torch.no_grad():
             for p in peft_model.parameters():
@@ -88,11 +78,96 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     return peft_model
 
 
+def apply_peft_config(model: nn.Module, config, what: str = "peft_config target_modules") -> nn.Module:
+    """``peft.get_peft_model(model, config)`` for a peft ``LoraConfig`` (a 4-bit base's ``QuantLinear``
+    included), on a meta model too; a target module that is not in the model is a ShardwiseError naming
+    ``what`` and listing the module names LoRA can target."""
+    from peft import get_peft_model
+
+    quantised = has_quantised(model)
+    if quantised:  # a 4-bit base: peft wraps QuantLinear through its custom-module hook
+        register_with_peft(config)
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta:
+        _refuse_base_dependent_init(config)
+    real_before = {id(p) for p in model.parameters() if not p.is_meta}
+    try:
+        with quiet_peft(), warnings.catch_warnings(), _cpu_stand_ins(model) if on_meta else contextlib.nullcontext():
+            if quantised:  # peft: "Unsupported layer type ... proceed at your own risk", once per QuantLinear
+                warnings.filterwarnings("ignore", message="Unsupported layer type")
+            peft_model = get_peft_model(model, config)
+    except ValueError as e:  # peft's "Target modules {...} not found in the base model"
+        raise ShardwiseError(f"{what}: {str(e).splitlines()[0]}; {_module_names_hint(model)}") from None
+    if on_meta:
+        _keep_drawn_adapters(peft_model, real_before)
+    return peft_model
+
+
+# Adapter module -> its parameters as peft drew them beside a meta base ({name: CPU tensor}), until
+# lora_param_init_fn puts them into the shards; the module itself goes to meta with the rest of the model.
+_DRAWN: "weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def _keep_drawn_adapters(model: nn.Module, real_before: set[int]) -> None:
+    """Keep the values of the parameters peft created for real (beside the stand-ins) and put their modules
+    on meta with the rest of the model; parameters that were real before stay as they are."""
+    for module in model.modules():
+        drawn = {n: p.detach() for n, p in module._parameters.items()
+                 if p is not None and not p.is_meta and id(p) not in real_before}
+        if drawn:
+            _DRAWN[module] = drawn
+            for n in drawn:
+                module._parameters[n] = nn.Parameter(module._parameters[n].to("meta"),
+                                                     requires_grad=module._parameters[n].requires_grad)
+
+
+@contextlib.contextmanager
+def _cpu_stand_ins(model: nn.Module) -> Iterator[None]:
+    """While peft wraps a meta-built model: its meta parameters replaced by CPU stand-ins of the same shape
+    and dtype that hold one element (expanded), then put back. peft creates each adapter on the CPU,
+    initialises it (drawing from the random generator: the adapter Linears' own init, then its LoRA init)
+    and moves it to its base layer's device and dtype, read from the base's ``weight``: onto meta the values
+    would be lost. Beside CPU stand-ins the adapters keep them, drawn in the order ``get_peft_model`` draws
+    on a real model, and ``lora_param_init_fn`` puts exactly those values into the shards. What peft sets on
+    a base parameter (``requires_grad=False``) is carried over to it."""
+    stand_ins: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+    owners = []
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                if id(p) not in stand_ins:
+                    stand_in = nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), requires_grad=p.requires_grad)
+                    stand_ins[id(p)] = (p, stand_in)
+                module._parameters[name] = stand_ins[id(p)][1]
+                owners.append((module, name, id(p)))
+    try:
+        yield
+    finally:
+        for module, name, key in owners:
+            original, stand_in = stand_ins[key]
+            if module._parameters.get(name) is stand_in:
+                original.requires_grad_(stand_in.requires_grad)
+                module._parameters[name] = original
+
+
+def _refuse_base_dependent_init(config) -> None:
+    """LoRA inits that read the base weights (DoRA, PiSSA, OLoRA, CorDA, LoftQ, EVA, ...) cannot run on a
+    meta-built model, whose weights are read only after ``shard()``."""
+    init = getattr(config, "init_lora_weights", True)
+    if getattr(config, "use_dora", False) or (isinstance(init, str) and init not in ("gaussian", "orthogonal")):
+        what = "use_dora=True" if getattr(config, "use_dora", False) else f"init_lora_weights={init!r}"
+        raise ShardwiseError(f"peft_config {what}: this initialisation reads the base weights, which a model loaded "
+                             f"by shardwise (built on the meta device, each rank reading its own pieces) does not "
+                             f"hold whole; use init_lora_weights=True or 'gaussian'")
+
+
 def _module_names_hint(model: nn.Module) -> str:
-    """The names LoRA can target in ``model``: the last name part of every linear-like leaf module."""
+    """The names LoRA can target in ``model``: the last name part of every linear-like leaf module, a 4-bit
+    base's ``QuantLinear`` included."""
+    targetable = (nn.Linear, nn.Embedding, nn.Conv1d, QuantLinear)
     names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                     if n and not list(m.children())
-                    and (isinstance(m, (nn.Linear, nn.Embedding, nn.Conv1d)) or type(m).__name__ == "Conv1D")})
+                    and (isinstance(m, targetable) or type(m).__name__ == "Conv1D")})
     return f"module names in {type(model).__name__}: {', '.join(names)}" if names else "the model has no linear modules"
 
 
@@ -117,9 +192,12 @@ def _adapter_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str, object]
 def lora_param_init_fn(model: nn.Module, base_init: Callable[[nn.Module], None] | None
                        ) -> Callable[[nn.Module], None]:
     """``param_init_fn`` for ``shard`` on a meta-built peft model: ``base_init`` (the model's own, e.g.
-    ``shardwise.engine.hf_init``), then peft's init for adapter modules. ``reset_lora_parameters`` writes A and B of
-    the adapter; whichever of them is still on meta costs nothing."""
+    ``shardwise.engine.hf_init``), then the adapters: the values peft drew for them when ``apply_peft_config``
+    wrapped the meta model, else peft's init (``reset_lora_parameters`` writes A and B of the adapter;
+    whichever of them is still on meta costs nothing)."""
     owners = _adapter_owners(model)
+    # Adapters peft initialised for real beside the meta base (apply_peft_config): their values, as drawn.
+    drawn = {id(m): _DRAWN.pop(m) for m in list(model.modules()) if m in _DRAWN}
 
     @torch.no_grad()
     def init(module: nn.Module) -> None:
@@ -128,7 +206,10 @@ def lora_param_init_fn(model: nn.Module, base_init: Callable[[nn.Module], None] 
         elif callable(getattr(module, "reset_parameters", None)):
             module.reset_parameters()
         owner = owners.get(id(module))
-        if owner is not None:
+        if id(module) in drawn:
+            for n, value in drawn[id(module)].items():
+                module._parameters[n].copy_(value)
+        elif owner is not None:
             layer, name, how = owner
             layer.reset_lora_parameters(name, how)
 

@@ -79,12 +79,9 @@ class ModelSpec:
         file-layout one: ``weight_files.identity_for``)."""
         if self.weights_dir is None:
             return None
-        from shardwise.checkpoint.frozen_base import base_record
-        from shardwise.hf.weight_files import identity_for
+        from shardwise.hf.sharded_load import base_record_of
 
-        identity = identity_for(self.weights_dir, recorded["weights_sha256"] if recorded else None)
-        return base_record(os.path.abspath(self.weights_dir), identity,
-                           None if quantization is None else quantization.to_dict())
+        return base_record_of(self.weights_dir, quantization, recorded)
 
     def default_block_classes(self, model: nn.Module) -> set[type]:
         """The transformer block class(es): GPT's Block, or the HF model's ``_no_split_modules``."""
@@ -97,12 +94,7 @@ class ModelSpec:
         if auto_wrap == "no_wrap":
             return None
         if cls_names:
-            present = {type(m).__name__: type(m) for m in model.modules()}
-            missing = [n for n in cls_names if n not in present]
-            if missing:
-                raise ModelError(f"--transformer-layer-cls-to-wrap {','.join(cls_names)}: {', '.join(missing)} not in "
-                                 f"{type(model).__name__}; module classes present: {', '.join(sorted(present))}")
-            return {present[n] for n in cls_names}
+            return classes_named(model, cls_names, "--transformer-layer-cls-to-wrap")
         return self.default_block_classes(model) or "auto"
 
     def num_params(self, model: nn.Module) -> int:
@@ -122,6 +114,17 @@ class ModelSpec:
         """GPT presets always: their meta init reproduces the eager init exactly, and no rank then ever holds
         the whole model. Hugging Face models from META_BUILD_MIN_PARAMS up, and always with pretrained weights."""
         return self.kind == "gpt" or num_params >= META_BUILD_MIN_PARAMS or self.weights_dir is not None
+
+
+def classes_named(model: nn.Module, cls_names, label: str) -> set[type]:
+    """The module classes of ``model`` named ``cls_names`` (units given by class name, as Accelerate's
+    ``transformer_layer_cls_to_wrap`` gives them); ModelError naming ``label`` and the classes present."""
+    present = {type(m).__name__: type(m) for m in model.modules()}
+    missing = [n for n in cls_names if n not in present]
+    if missing:
+        raise ModelError(f"{label} {','.join(cls_names)}: {', '.join(missing)} not in {type(model).__name__}; "
+                         f"module classes present: {', '.join(sorted(present))}")
+    return {present[n] for n in cls_names}
 
 
 def resolve_model(name: str) -> ModelSpec:

@@ -10,6 +10,7 @@ directory by copy or quantises a bf16/fp32 one on load.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,43 @@ def register_with_peft(lora_config) -> None:
     from peft.tuners.lora import Linear as LoraLinear
 
     lora_config._register_custom_module({QuantLinear: LoraLinear})
+
+
+KERNEL_HINT_LOGGER = "bitsandbytes.backends.cpu.ops"
+
+
+class _DropKernelHint(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward")
+
+
+def quiet_bitsandbytes_kernel_hint() -> None:
+    """Drop the one line bitsandbytes (0.49+) logs when it is imported on a CPU with AVX512-BF16 and the
+    ``kernels`` package is missing ("Failed to load CPU gemm_4bit_forward ... pip install kernels").
+    transformers and peft import bitsandbytes whenever it is installed, so every rank printed it first
+    thing, although shardwise's 4-bit base never runs a bitsandbytes kernel. Only that message, only from
+    that logger (``bitsandbytes.backends.cpu.ops``, checked on bitsandbytes 0.50.2)."""
+    logger = logging.getLogger(KERNEL_HINT_LOGGER)
+    if not any(isinstance(f, _DropKernelHint) for f in logger.filters):
+        logger.addFilter(_DropKernelHint())
+
+
+def num_weights(model: nn.Module) -> int:
+    """The parameter count of the model as its unquantised self has it: a 4-bit module's packed bytes and
+    scales count as the weights they encode (each matrix's elements), every other parameter as
+    ``shardwise.num_parameters`` counts it (tied ones once; whole, not this rank's piece, once sharded)."""
+    from shardwise.engine.logical_shapes import param_info
+    from shardwise.engine.core.runtime import STATE_ATTR
+
+    sharded = getattr(model, STATE_ATTR, None) is not None
+    quantised = [m for m in model.modules() if isinstance(m, QUANT_MODULE_TYPES)]
+    packed = {id(m._parameters[n]) for m in quantised for n in m.layout.nbytes()}
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen and id(p) not in packed:
+            seen.add(id(p))
+            total += param_info(p).numel if sharded else p.numel()
+    return total + sum(m.layout.numel * getattr(m, "num_experts", 1) for m in quantised)
 
 
 def has_quantised(model: nn.Module) -> bool:

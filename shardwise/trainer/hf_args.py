@@ -15,6 +15,7 @@ unknown key, rather than silently ignored.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 from shardwise.usage import ConfigError
@@ -34,8 +35,18 @@ NO_MEANING = {
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def fsdp_options(words: str, label: str = "--fsdp") -> list[str]:
-    """``"full_shard auto_wrap"`` -> our options, or ConfigError listing the words HF accepts."""
+@dataclass(frozen=True)
+class FsdpWords:
+    """What HF's ``--fsdp`` words mean here: the sharding strategy, one unit per transformer block
+    (``auto_wrap``) or the whole model as one, and CPU offload."""
+
+    strategy: str
+    auto_wrap: bool
+    offload: bool
+
+
+def parse_fsdp_words(words: str, label: str = "--fsdp") -> FsdpWords:
+    """``"full_shard auto_wrap"`` -> FsdpWords, or ConfigError listing the words HF accepts."""
     parts = words.replace(",", " ").split()
     unknown = [w for w in parts if w.lower() not in FSDP_WORDS]
     if unknown or not parts:
@@ -46,9 +57,15 @@ def fsdp_options(words: str, label: str = "--fsdp") -> list[str]:
     if len(strategies) > 1:
         raise ConfigError(f"{label} {words!r}: names {len(strategies)} strategies ({', '.join(strategies)}); "
                           f"give one")
-    out = ["--sharding-strategy", strategies[0] if strategies else "full_shard",
-           "--auto-wrap", "transformer_based_wrap" if "auto_wrap" in parts else "no_wrap"]
-    if "offload" in parts:
+    return FsdpWords(strategies[0] if strategies else "full_shard", "auto_wrap" in parts, "offload" in parts)
+
+
+def fsdp_options(words: str, label: str = "--fsdp") -> list[str]:
+    """``"full_shard auto_wrap"`` -> our options, or ConfigError listing the words HF accepts."""
+    fsdp = parse_fsdp_words(words, label)
+    out = ["--sharding-strategy", fsdp.strategy,
+           "--auto-wrap", "transformer_based_wrap" if fsdp.auto_wrap else "no_wrap"]
+    if fsdp.offload:
         out.append("--cpu-offload")
     return out
 

@@ -34,6 +34,7 @@ from shardwise.engine.base.device import compute_device
 from shardwise.engine.base.mixed_precision import named_policy
 from shardwise.engine.core.runtime import runtime_of
 from shardwise.hf.model_spec import ModelSpec, lm_loss, resolve_model
+from shardwise.hf.quantization import num_weights
 from shardwise.trainer import config as config_mod
 from shardwise.trainer import (
     failures,
@@ -165,7 +166,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     check_model_fits_data(cfg, spec, max(train_data.max_token(), val_data.max_token()))
 
     model = build_sharded_model(cfg, spec, device)
-    num_params = shardwise.num_parameters(model)
+    num_params = num_weights(model)  # a 4-bit base: the weights it encodes, not its packed bytes
     optimizer = build_optimizer(model, cfg)
     # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
     scaler = shardwise.ShardedGradScaler() if cfg.mixed_precision == "fp16" else None

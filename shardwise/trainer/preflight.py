@@ -163,6 +163,7 @@ def check_resume(cfg: TrainConfig, spec: ModelSpec, model: nn.Module) -> Optiona
     from shardwise.checkpoint.model_description import compare_with_model
     from shardwise.checkpoint.verify import listed_files_problem, read_manifest
     from shardwise.errors import ShardwiseError
+    from shardwise.trainer.state import check_adapter_settings
 
     if not cfg.resume:
         return None
@@ -184,6 +185,7 @@ def check_resume(cfg: TrainConfig, spec: ModelSpec, model: nn.Module) -> Optiona
     problem = listed_files_problem(path, manifest)
     if problem:
         raise ShardwiseError(f"--resume {path}: {problem}")
+    check_adapter_settings(path, model)  # another --lora-r: one line naming it, not the tensors it changes
     problem = compare_with_model(model, manifest)
     if problem:
         raise ShardwiseError(f"--resume {path}: checkpoint of a different model than --model {cfg.model}: {problem}")

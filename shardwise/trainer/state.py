@@ -91,6 +91,7 @@ def restore_training_state(run_dir: str, resume: str, model: nn.Module, optimize
     if path is None:
         return 0, f"resume={resume}: no checkpoint in {run_dir} yet, starting fresh" if resume else None
     agree.agreed(lambda: check_frozen_base(path, frozen_base), f"checking {path}")
+    agree.agreed(lambda: check_adapter_settings(path, model), f"checking {path}")
     extra = load_checkpoint(path, model, optimizer, frozen_base=frozen_base)
     step = agree.agreed(lambda: check_extra(extra, path, checkpoint_info(path).step, grad_scaler is not None),
                         f"checking {path}")
@@ -154,6 +155,38 @@ def check_frozen_base(path: Path, frozen_base: Optional[dict]) -> None:
                              f"{frozen_base['weights_sha256'][:12]}...) are not the base {path} was trained over "
                              f"({saved['source']}, identity {saved['weights_sha256'][:12]}...)")
     raise ShardwiseError(quantization_change(path, quantization_of(saved), quantization_of(frozen_base)))
+
+
+# The LoRA settings a checkpoint's adapters were trained with (its manifest's peft_config) and the options
+# that set them: another value builds other adapters (other shapes, names or scale).
+LORA_OPTIONS = {"r": "--lora-r", "lora_alpha": "--lora-alpha", "target_modules": "--lora-target-modules"}
+
+
+def check_adapter_settings(path: Path, model: nn.Module) -> None:
+    """A LoRA checkpoint resumes only into adapters built as it was trained: refuse, in one line naming the
+    option and both values, a resume with another ``--lora-r``, ``--lora-alpha`` or target modules (the
+    generic "different model" comparison would list every adapter tensor instead)."""
+    from shardwise.checkpoint.verify import read_manifest
+
+    saved = read_manifest(path)["model"].get("peft_config")
+    configs = getattr(model, "peft_config", None)
+    if saved is None or not configs:
+        return
+    (config,) = configs.values()
+    for key, option in LORA_OPTIONS.items():
+        was, now = _setting(saved.get(key)), _setting(getattr(config, key, None))
+        if was != now:
+            raise ShardwiseError(f"{option} {now}: {path} holds adapters trained with {option} {was}: resume with "
+                                 f"{option} {was}, or start another run (--out)")
+
+
+def _setting(value) -> str:
+    """A LoRA setting as the command line spells it: 16, 32.0 -> 32, q_proj,v_proj."""
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return ",".join(sorted(value))
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
 
 
 # A 4-bit base's recorded settings (``QuantSettings.to_dict``) and the options that set them.

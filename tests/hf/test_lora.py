@@ -216,6 +216,58 @@ def test_target_modules_that_name_no_module_list_the_names_there_are():
            "up_proj, v_proj" in str(e.value)
 
 
+def test_target_modules_over_a_4bit_base_list_the_4bit_projections_too():
+    """--lora-target-modules with a wrong name under --load-in-4bit: the QuantLinear projections are names
+    LoRA can target, listed with the rest (not only embed_tokens and lm_head)."""
+    from transformers import AutoModelForCausalLM
+
+    import shardwise
+    from shardwise.errors import ShardwiseError
+    from shardwise.hf.lora import LoraSettings, apply_lora
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("llama", 64))
+    shardwise.quantize_model(model, shardwise.QuantSettings("nf4"))
+    with pytest.raises(ShardwiseError) as e:
+        apply_lora(model, LoraSettings(r=2, target_modules=("qproj",)))
+    assert "module names in LlamaForCausalLM: down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, q_proj, " \
+           "up_proj, v_proj" in str(e.value)
+
+
+def test_a_meta_built_peft_model_draws_its_adapters_as_peft_does_on_a_real_model():
+    """get_peft_model on a meta-built model keeps the adapter values peft draws (after the same seed, those of
+    get_peft_model on the real model); lora_param_init_fn puts them into the shards. Peft inits that read
+    the base weights are refused on meta, by name."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.errors import ShardwiseError
+    from shardwise.hf.lora import apply_peft_config, lora_param_init_fn
+
+    config = lambda **kw: LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **kw)
+    real = _base()
+    torch.manual_seed(3)
+    real = apply_peft_config(real, config())
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(tiny_config("llama", VOCAB))
+    torch.manual_seed(3)
+    meta = apply_peft_config(meta, config())
+    assert all(p.is_meta for p in meta.parameters())
+    init = lora_param_init_fn(meta, None)
+    adapters = 0
+    for name, module in meta.named_modules():
+        if "lora_A" in name and not list(module.children()):
+            module.to_empty(device="cpu")
+            init(module)
+            assert torch.equal(module.weight, real.get_submodule(name).weight), name
+            adapters += 1
+    assert adapters == 4
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(tiny_config("llama", VOCAB))
+    with pytest.raises(ShardwiseError, match=r"peft_config use_dora=True: this initialisation reads the base"):
+        apply_peft_config(meta, config(use_dora=True))
+
+
 def test_pretrained_files_accept_a_peft_wrapped_model_as_the_launcher_checks_it(tmp_path):
     """The launcher checks --model DIR's files against the meta-built peft model before any worker starts: the
     Hugging Face model inside peft's wrapper is found and its base read under the base's names (both layouts)."""

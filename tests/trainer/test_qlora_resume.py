@@ -179,6 +179,8 @@ def test_a_resume_over_a_changed_base_is_refused_before_launch_naming_the_option
         "other DIR": _preflight_error(dataclasses.replace(qlora, model=other_dir)),
         "4-bit over plain": _preflight_error(dataclasses.replace(qlora, out=str(root / "plain"),
                                                                  resume=str(root / "plain" / STEP2))),
+        "other r": _preflight_error(dataclasses.replace(qlora, lora_r=8)),
+        "other alpha": _preflight_error(dataclasses.replace(qlora, lora_alpha=32)),
     }
     assert errors["fp4"] == (f"ShardwiseError: --bnb-4bit-quant-type fp4: {ckpt} was trained over the base "
                              f"quantised with --bnb-4bit-quant-type nf4; the adapters belong to the base as it was "
@@ -191,6 +193,9 @@ def test_a_resume_over_a_changed_base_is_refused_before_launch_naming_the_option
     assert f"not the base {ckpt} was trained over ({os.path.abspath(model_dir)}" in errors["other DIR"]
     assert errors["4-bit over plain"].startswith("ShardwiseError: --load-in-4bit: given, but ")
     assert "was trained without it" in errors["4-bit over plain"]
+    assert errors["other r"] == (f"ShardwiseError: --lora-r 8: {ckpt} holds adapters trained with --lora-r 4: resume "
+                                 f"with --lora-r 4, or start another run (--out)")
+    assert errors["other alpha"].startswith("ShardwiseError: --lora-alpha 32: ") and "--lora-alpha 8:" in errors["other alpha"]
     assert all("\n" not in e for e in errors.values()), errors
     # a worker started without the preflight refuses on every rank, with the same line
     assert worker_errors == [errors["fp4"]] * 2

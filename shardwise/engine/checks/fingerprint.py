@@ -63,7 +63,8 @@ from shardwise.errors import ShardwiseError
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast_buffers", "clip_grad_norm", "state_dict",
        "summon_full_params", "checkpoint", "kept_copy_agreement", "grad_reduction",
-       "optimizer_state_check", "tensor_hook_gather", "overflow_vote", "load_state_dict", "piece_gather")
+       "optimizer_state_check", "tensor_hook_gather", "overflow_vote", "load_state_dict", "save_whole_model",
+       "piece_gather")
 MODEL = 256**3 - 1  # the unit field of a collective that belongs to the model as a whole, not to one unit
 PHASES = ("idle", "forward", "backward")
 

@@ -38,9 +38,9 @@ class _RefuseDDP:
         raise ShardwiseError(
             f"DistributedDataParallel around this {self.module_name}, which shardwise.shard() already "
             f"shards (DDP would overwrite every rank's parameter pieces with rank 0's and all-reduce them again): "
-            f"use the sharded model as it is (it averages gradients itself); with Accelerate, pass only the "
-            f"optimizer and data loaders to accelerator.prepare(), not the model. Hugging Face Trainer wraps "
-            f"the model this way and is not supported on a sharded model")
+            f"use the sharded model as it is (it averages gradients itself); with Accelerate, hand it over with "
+            f"shardwise.integrations.accelerate.prepare_model(accelerator, model); with Hugging Face Trainer or "
+            f"TRL, use shardwise.integrations.transformers (ShardwiseTrainer, or its mixin)")
 
     def __reduce__(self):  # a pickled model (torch.save(model)) keeps the refusal
         return (_RefuseDDP, (self.module_name,))

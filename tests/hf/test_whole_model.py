@@ -1,0 +1,266 @@
+"""shardwise.save_whole_model: a sharded model written whole is what the unsharded model's save_pretrained
+writes (same files, same names, same bytes), loads with from_pretrained in one process, holds one flat
+group at a time while streaming, is atomic (a failed save leaves the directory as it was and every rank
+raises), refuses a call made on one rank only by name, and writes a peft model's adapter as peft does.
+
+One spawn per world size; the scenarios inside it are independent (``run_scenarios``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from harness import run_distributed
+from hf_dirs import tiny_config
+from parity_utils import run_scenarios, scenario, spawn_once
+
+VOCAB = 97
+
+
+def _model(family: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(family, VOCAB, bos_token_id=0, eos_token_id=0,
+                                                        pad_token_id=1))
+
+
+def _tensors(directory: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, name)))
+    return out
+
+
+def _same_tensors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def _matches_save_pretrained(rank: int, root: str, family: str) -> dict:
+    """The files save_pretrained writes for the same weights, and from_pretrained of ours equal to them."""
+    import shardwise
+    from transformers import AutoModelForCausalLM
+
+    ref = _model(family)
+    model = shardwise.shard(_model(family), units="auto")
+    ours, theirs = os.path.join(root, f"{family}-ours"), os.path.join(root, f"{family}-theirs")
+    written = shardwise.save_whole_model(model, ours)
+    if rank != 0:
+        return {"written": written}
+    ref.save_pretrained(theirs)
+    loaded = AutoModelForCausalLM.from_pretrained(ours)
+    config = json.loads(open(os.path.join(ours, "config.json")).read())
+    return {"written": [os.path.basename(p) for p in written],
+            "files": sorted(os.listdir(ours)) == sorted(os.listdir(theirs)),
+            "tensors": _same_tensors(_tensors(ours), _tensors(theirs)),
+            "loaded": _same_tensors(loaded.state_dict(), ref.state_dict()),
+            "dtype": config["dtype"], "architectures": config["architectures"]}
+
+
+def _split_and_cast(rank: int, root: str) -> dict:
+    """max_shard_size splits as save_pretrained does (an index); dtype casts; a later single-file save into
+    the same directory removes the old shards, and other files in it stay."""
+    import shardwise
+    from transformers import AutoModelForCausalLM
+
+    ref = _model("llama")
+    model = shardwise.shard(_model("llama"), units="auto")
+    out = os.path.join(root, "split")
+    if rank == 0:
+        os.makedirs(out)
+        open(os.path.join(out, "trainer_state.json"), "w").write("{}")
+    shardwise.save_whole_model(model, out, max_shard_size="40KB", dtype=torch.bfloat16)
+    result = {}
+    if rank == 0:
+        index = json.loads(open(os.path.join(out, "model.safetensors.index.json")).read())
+        loaded = AutoModelForCausalLM.from_pretrained(out)
+        result = {"files": len({f for f in index["weight_map"].values()}),
+                  "loaded": all(torch.equal(v, ref.state_dict()[k].to(torch.bfloat16))
+                                for k, v in loaded.state_dict().items()),
+                  "loaded_dtype": str(loaded.dtype)}
+    shardwise.save_whole_model(model, out)
+    if rank == 0:
+        result["after"] = sorted(os.listdir(out))
+    return result
+
+
+def _one_group_at_a_time(rank: int, root: str) -> dict:
+    """While saving, a gathered flat group's memory is freed before the next one is gathered, on every rank."""
+    import shardwise
+    from shardwise.engine.core.flat_group import FlatGroup
+
+    model = shardwise.shard(_model("llama"), units="auto")
+    alive_at_gather, refs = [], []
+    original = FlatGroup.gather_full
+
+    def tracked(self):  # the engine may keep a finished collective's tensor object, but not its memory
+        alive_at_gather.append(sum(r() is not None and r().untyped_storage().nbytes() > 0 for r in refs))
+        full = original(self)
+        refs.append(weakref.ref(full._base if full._base is not None else full))
+        return full
+
+    FlatGroup.gather_full = tracked
+    try:
+        shardwise.save_whole_model(model, os.path.join(root, "streamed"))
+    finally:
+        FlatGroup.gather_full = original
+    return {"gathers": len(alive_at_gather), "most_alive": max(alive_at_gather)}
+
+
+def _failed_write(rank: int, root: str) -> dict:
+    """A write that fails on rank 0 after its first file: every rank raises naming the file, the directory is
+    as it was, no temporary directory is left, and the model trains on."""
+    import errno
+
+    import shardwise
+    from shardwise.checkpoint import export
+
+    model = shardwise.shard(_model("llama"), units="auto")
+    out = os.path.join(root, "full-disk")
+    shardwise.save_whole_model(model, out)
+    before = {n: open(os.path.join(out, n), "rb").read() for n in sorted(os.listdir(out))}
+    original, calls = export.write_safetensors_streamed, []
+
+    def failing(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return original(path, *args, **kwargs)
+
+    export.write_safetensors_streamed = failing
+    try:
+        shardwise.save_whole_model(model, out, max_shard_size="40KB")
+        error = None
+    except shardwise.ShardwiseError as e:
+        error = str(e)
+    finally:
+        export.write_safetensors_streamed = original
+    x = torch.randint(0, VOCAB, (2, 8))
+    model(input_ids=x, labels=x).loss.backward()  # the process group is still usable
+    after = {n: open(os.path.join(out, n), "rb").read() for n in sorted(os.listdir(out))}
+    return {"message": error, "unchanged": before == after,
+            "leftovers": [n for n in os.listdir(root) if ".save-tmp-" in n]}
+
+
+def _adapter(rank: int, root: str) -> dict:
+    """A peft model: the adapter, as PeftModel.save_pretrained writes it."""
+    from peft import LoraConfig, get_peft_model
+
+    import shardwise
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    torch.manual_seed(0)
+    ref = get_peft_model(_model("llama"), config)
+    torch.manual_seed(0)
+    model = shardwise.shard(get_peft_model(_model("llama"), config), units="auto")
+    with torch.no_grad():  # B is zero at init: give the adapter values a save could get wrong
+        for name, p in ref.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.25)
+        shardwise.load_full_state_dict(model, ref.state_dict() if rank == 0 else {})
+    ours, theirs = os.path.join(root, "adapter-ours"), os.path.join(root, "adapter-theirs")
+    shardwise.save_whole_model(model, ours)
+    if rank != 0:
+        return {}
+    ref.save_pretrained(theirs)
+    cfg = lambda d: {k: v for k, v in json.loads(open(os.path.join(d, "adapter_config.json")).read()).items()
+                     if k != "inference_mode"}
+    return {"files": sorted(os.listdir(ours)), "tensors": _same_tensors(_tensors(ours), _tensors(theirs)),
+            "config": cfg(ours) == cfg(theirs)}
+
+
+def _scenarios(rank: int, world: int, root: str) -> dict:
+    return run_scenarios({
+        "llama": lambda r, w: _matches_save_pretrained(r, root, "llama"),
+        "qwen2_tied": lambda r, w: _matches_save_pretrained(r, root, "qwen2"),
+        "split_and_cast": lambda r, w: _split_and_cast(r, root),
+        "streamed": lambda r, w: _one_group_at_a_time(r, root),
+        "failed_write": lambda r, w: _failed_write(r, root),
+        "adapter": lambda r, w: _adapter(r, root),
+    }, rank, world)
+
+
+@spawn_once
+def _report(world: int, root: str) -> list:
+    return run_distributed(_scenarios, world, root, timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("whole"))
+
+
+WORLDS = [2, pytest.param(3, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("family", ["llama", "qwen2_tied"])
+def test_whole_model_is_what_save_pretrained_writes_and_loads_in_one_process(world, family, root):
+    ours = scenario(_report(world, f"{root}/{world}")[0], family)
+    assert ours["written"] == ["model.safetensors"]
+    assert ours["files"], "the same files as save_pretrained (config, generation config, weights)"
+    assert ours["tensors"], "the same names and bytes as save_pretrained (a tied weight once)"
+    assert ours["loaded"], "from_pretrained of the save equals the model"
+    assert ours["dtype"] == "float32" and ours["architectures"] == ["LlamaForCausalLM" if family == "llama"
+                                                                     else "Qwen2ForCausalLM"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_whole_model_splits_casts_and_replaces_only_its_own_files(world, root):
+    r = scenario(_report(world, f"{root}/{world}")[0], "split_and_cast")
+    assert r["files"] > 1 and r["loaded"] and r["loaded_dtype"] == "torch.bfloat16"
+    assert r["after"] == ["config.json", "generation_config.json", "model.safetensors", "trainer_state.json"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_whole_model_holds_one_flat_group_at_a_time(world, root):
+    for rank_report in _report(world, f"{root}/{world}"):
+        r = scenario(rank_report, "streamed")
+        assert r["gathers"] > 2 and r["most_alive"] == 0, r
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_whole_model_failed_write_raises_everywhere_and_leaves_the_directory(world, root):
+    for rank_report in _report(world, f"{root}/{world}"):
+        r = scenario(rank_report, "failed_write")
+        assert r["message"] and "No space left on device" in r["message"] and "model-00002-of-" in r["message"], r
+        assert r["unchanged"] and not r["leftovers"], r
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_whole_model_of_a_peft_model_is_its_adapter(world, root):
+    r = scenario(_report(world, f"{root}/{world}")[0], "adapter")
+    assert r["files"] == ["adapter_config.json", "adapter_model.safetensors"]
+    assert r["tensors"] and r["config"], r
+
+
+def _alone(rank: int, world: int, root: str) -> str | None:
+    import shardwise
+
+    model = shardwise.shard(_model("llama"), units="auto")
+    x = torch.randint(0, VOCAB, (2, 8))
+    try:
+        if rank == 0:
+            shardwise.save_whole_model(model, os.path.join(root, "alone"))
+        model(input_ids=x, labels=x).loss.backward()
+    except shardwise.ShardwiseError as e:
+        return str(e)
+    return None
+
+
+def test_whole_model_saved_on_one_rank_only_is_named_on_every_rank(tmp_path):
+    errors = run_distributed(_alone, 2, str(tmp_path), timeout_s=60,
+                             env={"SHARDWISE_GLOO_NATIVE_COLLECTIVES": "1"})
+    for e in errors:
+        assert e and "ranks [0] are at save_whole_model" in e, errors
+    assert not (tmp_path / "alone").exists()
