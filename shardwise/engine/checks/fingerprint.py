@@ -61,10 +61,13 @@ import torch.distributed as dist
 from shardwise.engine.base import collectives, flags, watchdog
 from shardwise.errors import ShardwiseError
 
+# A piece pickled (torch.save of model.state_dict()) gathers the whole: on one rank only, this names it.
+PICKLE_PIECES = ("torch.save of a sharded model's state_dict() pieces (every rank must call it; or use "
+                 "shardwise.save_whole_model / shardwise.full_state_dict)")
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast_buffers", "clip_grad_norm", "state_dict",
        "summon_full_params", "checkpoint", "kept_copy_agreement", "grad_reduction",
        "optimizer_state_check", "tensor_hook_gather", "overflow_vote", "load_state_dict", "save_whole_model",
-       "piece_gather")
+       "piece_gather", PICKLE_PIECES)
 MODEL = 256**3 - 1  # the unit field of a collective that belongs to the model as a whole, not to one unit
 PHASES = ("idle", "forward", "backward")
 

@@ -45,8 +45,9 @@ def combine(values: torch.Tensor, key: int, how: str, what: str) -> torch.Tensor
     return buf.to(values.device)
 
 
-def gather(local: torch.Tensor, layout: Layout, what: str) -> torch.Tensor:
-    """The whole tensor (a new plain tensor of ``layout.shape``) from every rank's ``local`` elements."""
+def gather(local: torch.Tensor, layout: Layout, what: str, op: str = "piece_gather") -> torch.Tensor:
+    """The whole tensor (a new plain tensor of ``layout.shape``) from every rank's ``local`` elements. ``op``:
+    what the ranks agree on (fingerprint.OPS), named if one rank calls it alone."""
     if layout.is_whole:
         return local.detach().reshape(layout.shape).clone()
     _group, device = group_of(layout.key)
@@ -55,7 +56,7 @@ def gather(local: torch.Tensor, layout: Layout, what: str) -> torch.Tensor:
     mine = torch.zeros(width, dtype=local.dtype, device=device)
     mine.narrow(0, 0, sizes[layout.rank]).copy_(local.detach())
     everyone = torch.empty(width * len(sizes), dtype=local.dtype, device=device)
-    _run(layout.key, "piece_gather", _GATHER, everyone.numel(), collectives.all_gather_into, everyone, mine,
+    _run(layout.key, op, _GATHER, everyone.numel(), collectives.all_gather_into, everyone, mine,
          what=what)
     flat = torch.empty(layout.numel, dtype=local.dtype, device=device)
     for r in range(len(sizes)):

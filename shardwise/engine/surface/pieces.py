@@ -32,6 +32,7 @@ from typing import Callable, Optional
 
 import torch
 
+from shardwise.engine.checks.fingerprint import PICKLE_PIECES
 from shardwise.engine.surface.layout import Layout
 from shardwise.errors import ShardwiseError
 
@@ -100,7 +101,7 @@ class Piece(torch.Tensor):
     def __reduce_ex__(self, protocol):
         # Pickled (torch.save, a checkpoint dict, copy.deepcopy of a dict holding it is __deepcopy__) as the
         # whole plain tensor, gathered now: every rank must pickle it, as with any collective.
-        whole = whole_of(self, "pickling (torch.save) a piece of a sharded tensor")
+        whole = whole_of(self, "pickling (torch.save) a piece of a sharded tensor", PICKLE_PIECES)
         if _is_param(self):
             whole = torch.nn.Parameter(whole, requires_grad=self.requires_grad)
         return whole.__reduce_ex__(protocol)
@@ -137,11 +138,11 @@ def is_piece(t) -> bool:
     return isinstance(t, Piece)
 
 
-def whole_of(t: torch.Tensor, what: str) -> torch.Tensor:
+def whole_of(t: torch.Tensor, what: str, op: str = "piece_gather") -> torch.Tensor:
     """The whole tensor a piece stands for (one agreed all-gather over its shard group; every rank must ask)."""
     from shardwise.engine.surface.piece_comm import gather
 
-    return gather(local_of(t), t._layout, what)
+    return gather(local_of(t), t._layout, what, op)
 
 
 # ---- what __torch_function__ hands elsewhere ---------------------------------------------------------------
@@ -176,8 +177,9 @@ def _memory_refusal(name: str, args) -> ShardwiseError:
     held = f"holds {t._layout.local_numel} of its {t._layout.numel} elements" if t is not None else "holds a piece"
     return ShardwiseError(
         f"{name}() on a piece of a sharded parameter or gradient (whole shape {shape}): this rank {held} and no "
-        f"memory of the whole to read. Save with torch.save(model.state_dict()) on every rank (whole tensors) or "
-        f"shardwise.full_state_dict(model); read values inside shardwise.summon_full_params(model), or take "
+        f"memory of the whole to read. Save with torch.save(model.state_dict()) on every rank (whole tensors), "
+        f"model.save_pretrained(dir) or shardwise.save_whole_model(model, dir) on every rank (safetensors, "
+        f"streamed), or shardwise.full_state_dict(model); read values inside shardwise.summon_full_params(model), or take "
         f"t.detach().clone() of the whole under it")
 
 

@@ -27,7 +27,10 @@ def register_writer(writer: Callable) -> None:
     _writer = writer
 
 
-_REFUSED = {"state_dict": None, "push_to_hub": False, "safe_serialization": True, "variant": None}
+# save_pretrained's arguments (transformers' and peft's) the streamed writer cannot honour, with the value that
+# asks for nothing it would not do anyway.
+_REFUSED = {"state_dict": None, "push_to_hub": False, "safe_serialization": True, "variant": None,
+            "save_function": None, "selected_adapters": None}
 
 
 def install(model: nn.Module) -> None:
@@ -35,17 +38,27 @@ def install(model: nn.Module) -> None:
     if not callable(getattr(type(model), "save_pretrained", None)):
         return
 
-    def save_pretrained(save_directory, is_main_process: bool = True, *args, max_shard_size="5GB", **kwargs):
+    def save_pretrained(save_directory, is_main_process: bool = True, **kwargs):
+        # is_main_process only says who writes in a DDP script: here rank 0 writes, every rank takes part.
         for name, harmless in _REFUSED.items():
-            if name in kwargs and kwargs[name] is not harmless:
+            value = kwargs.pop(name, harmless)
+            if value is not harmless and not (name == "save_function" and value is _torch_save()):
                 raise ShardwiseError(
-                    f"{type(model).__name__}.save_pretrained(..., {name}={kwargs[name]!r}) on a sharded model: it "
+                    f"{type(model).__name__}.save_pretrained(..., {name}={value!r}) on a sharded model: it "
                     f"writes the whole model through shardwise.save_whole_model, one flat group at a time, which "
                     f"takes no {name}=; call model.save_pretrained(directory) on every rank")
+        options = {"max_shard_size": kwargs.pop("max_shard_size")} if "max_shard_size" in kwargs else {}
         if _writer is None:
             raise ShardwiseError("save_pretrained on a sharded model needs shardwise's whole-model writer: "
                                  "import shardwise (its package registers it)")
-        return _writer(model, save_directory, max_shard_size=max_shard_size)
+        # (other keywords, such as token= or save_embedding_layers=, change nothing of what is written)
+        return _writer(model, save_directory, **options)
 
     save_pretrained.__doc__ = __doc__
     model.__dict__["save_pretrained"] = save_pretrained
+
+
+def _torch_save():
+    import torch
+
+    return torch.save
