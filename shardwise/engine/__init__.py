@@ -6,7 +6,7 @@ down only (tests/test_layering.py)::
     user code sees of parameters and gradients), and the loose modules here (shard(), clipping, state dicts)
 
 Reading order of one training step (full_shard, the default: checks on, no offload, a model with buffers;
-forward, backward, ``shardwise.clip_grad_norm_``, ``optimizer.step()``). The step enters these 21 files
+forward, backward, ``shardwise.clip_grad_norm_``, ``optimizer.step()``). The step enters these 22 files
 (tests/engine/test_reading_order.py traces one and holds this list to it):
 
  1. ``base/plan.py``            units -> flat groups (unit x dtype x requires_grad), offsets, padding: pure layout
@@ -24,14 +24,15 @@ forward, backward, ``shardwise.clip_grad_norm_``, ``optimizer.step()``). The ste
 11. ``base/strategy.py``        the process groups and the data-parallel size
 12. ``checks/group_fingerprint.py`` how a flat group's collectives are fingerprinted ...
 13. ``checks/fingerprint.py``   ... and compared across ranks
-14. ``surface/shard_param.py``  the parameter factory: ``ShardParam``, what the core asks about it
+14. ``surface/shard_param.py``  the parameter factory: a ``Piece`` over a local parameter, what the core asks
 15. ``surface/grad_sink.py``    the gradient sink: ``.grad`` pieces, hooks, direct gradients
-16. ``surface/pieces.py``       the pieces' table (exact norms, ``local_only``)
+16. ``surface/pieces.py``       ``Piece``: the whole tensor to user code (its table: piece_ops.py), ``local_only``
 17. ``surface/param_hooks.py``  tensor hooks and post-accumulate-grad hooks at hand-out
 18. ``surface/direct_grads.py`` gradients that reached a parameter directly (a penalty)
-19. ``surface/optimizer_guard.py`` the optimizer step hooks
-20. ``buffer_broadcast.py``     rank 0's buffers before each forward
-21. ``grad_norm.py``            ``clip_grad_norm_``
+19. ``surface/optimizer_guard.py`` the optimizer step hooks ...
+20. ``surface/optimizer_swap.py`` ... which swap in plain local parameters for the step (no Python dispatch)
+21. ``buffer_broadcast.py``     rank 0's buffers before each forward
+22. ``grad_norm.py``            ``clip_grad_norm_``
 
 ``api.py`` builds all of it (``shard()``); docs/ARCHITECTURE.md draws the step and lists every file.
 """
