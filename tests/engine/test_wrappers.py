@@ -312,7 +312,7 @@ class Row:
 
 
 DDP = "DistributedDataParallel around this"
-ONE_RANK_GATHER = "ranks [0] are at piece_gather"
+ONE_RANK_GATHER = "ranks [0] are at torch.save of a sharded model's state_dict() pieces"
 DEEPCOPY = "copy.deepcopy() of a sharded model"
 COMPOSABLE = "torch.distributed's fully_shard, replicate and the FSDP"
 
