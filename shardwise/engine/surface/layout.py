@@ -52,14 +52,34 @@ def checker_of(key: int):
     return ref() if ref is not None else None
 
 
-@dataclass(frozen=True)
+def same_group(a: int, b: int) -> bool:
+    """Whether two keys name one shard group on one device (two models sharded over the same group have
+    two keys: each its own checker)."""
+    if a == b:
+        return True
+    if a == 0 or b == 0:
+        return False
+    (ga, da), (gb, db) = _GROUPS[a], _GROUPS[b]
+    return ga is gb and da == db
+
+
+@dataclass(frozen=True, eq=False)
 class Layout:
-    """One rank's piece of a whole tensor (see the module docstring)."""
+    """One rank's piece of a whole tensor (see the module docstring). Two layouts are equal when they place
+    the same elements on the same ranks of the same shard group: pieces of two models sharded alike (an EMA
+    model, a reference) are operands of one another."""
 
     shape: torch.Size  # the whole tensor's
     runs: tuple[Runs, ...]  # per rank of the shard group: the (start, length) runs of the flattened whole it holds
     rank: int  # this rank's position in the shard group
     key: int = 0  # the shard group's registry key (0: a group of one rank)
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, Layout) and self.shape == other.shape and self.runs == other.runs
+                and self.rank == other.rank and same_group(self.key, other.key))
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.shape), self.runs, self.rank))
 
     @staticmethod
     def whole(shape) -> "Layout":

@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from shardwise.engine.surface.layout import Layout, concatenated
+from shardwise.engine.surface.layout import Layout, concatenated, same_group
 from shardwise.engine.surface.pieces import Piece, local_of, user_call, whole_of
 from shardwise.errors import ShardwiseError
 
@@ -320,7 +320,7 @@ def _cat(func, args, kwargs):
     meta = func([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors], *args[1:], **kwargs)
     pieces = [t for t in tensors if isinstance(t, Piece)]
     key = pieces[0]._layout.key
-    if any(p._layout.key != key for p in pieces):
+    if any(not same_group(p._layout.key, key) for p in pieces):
         raise refusal(func, args, kwargs, "its operands are pieces of different shard groups")
     ref = pieces[0]._layout
     world, rank = len(ref.runs), ref.rank
