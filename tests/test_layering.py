@@ -5,8 +5,8 @@
 Every import counts, those inside functions too (a lazy import is still a dependency). ``models/`` (a
 plain model with no parallelism in it) and ``quant/`` (the 4-bit format, tensors only) are leaves any layer
 above the engine may use. Two rules are spelled out because they are the ones that were broken: the
-engine imports nothing of shardwise but itself and ``errors``; ``checkpoint/`` imports neither the
-integrations (``hf/``, transformers, peft) nor the planner or the trainer.
+engine imports nothing of shardwise but itself and ``errors``; ``checkpoint/`` imports neither ``hf/``
+(transformers, peft) nor the planner, ``integrations/`` or the trainer.
 
 Inside the engine the same rule holds between its folders (``ENGINE_LAYERS``)::
 

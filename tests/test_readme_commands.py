@@ -302,8 +302,8 @@ def test_resuming_a_finished_run_says_to_raise_steps(workdir, monkeypatch, capfd
 
 
 def test_setup_lines_install_what_the_readme_and_the_tests_use():
-    """The README's test command is what CI runs, verbatim; its extras hold what the tests import, and the
-    fine-tuning extra what --model DIR, LoRA and .jsonl data need."""
+    """The README's test command is what CI runs, verbatim; its extras hold what the tests import, the
+    fine-tuning extra what --model DIR, LoRA and .jsonl data need, the Lightning extra the version tested."""
     import tomllib
 
     setup = [c.line for c in COMMANDS if c.argv[0] == "pip"]
@@ -315,6 +315,8 @@ def test_setup_lines_install_what_the_readme_and_the_tests_use():
     assert {"transformers", "peft", "tokenizers"} <= names["hf"]
     assert names["hf"] | {"pytest", "bitsandbytes"} <= names["test"]
     assert any('.[hf]' in line for line in setup), "the README installs the fine-tuning extra"
+    assert set(extras["lightning"]) <= set(extras["test"]), "the tests run the Lightning version users install"
+    assert any('.[lightning]' in line for line in setup), "the README installs the Lightning extra"
     for framework in ("hf-trainer", "accelerate"):  # the integrations' extras, tested at the test extra's versions
         assert any(f'.[{framework}]' in line for line in setup), framework
         assert names[framework] <= names["test"], framework

@@ -1,19 +1,22 @@
-"""The public entry points: ``shard`` and ``no_sync`` (``clip_grad_norm_`` is in grad_norm.py)."""
+"""The public entry points: ``shard`` and ``no_sync`` (ddp_idioms.py, with DDP's other idioms; ``clip_grad_norm_``
+is in grad_norm.py)."""
 
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Iterator, Optional, Union
+import warnings
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise.engine.base import device as devices
-from shardwise.engine import materialize
+from shardwise.engine import ddp_idioms, initial_weights
+from shardwise.engine.ddp_idioms import no_sync  # noqa: F401 (public: shardwise.no_sync)
 from shardwise.engine.surface import optimizer_guard, optimizer_swap, state_dict_pieces, whole_model_saves
 from shardwise.engine.surface.grad_sink import PieceGradSink
 from shardwise.engine.surface.wrapper_refusal import refuse_wrappers
+from shardwise.engine.rewrite_refusal import refuse_rebuilding_methods, refuse_rewriting_modules
 from shardwise.engine.buffer_broadcast import BufferBroadcast
 from shardwise.engine.activation_checkpoint import checkpoint_unit
 from shardwise.engine.checks.fingerprint import check_same_plan, checks_enabled
@@ -24,7 +27,7 @@ from shardwise.engine.base.cpu_offload import CPUOffload
 from shardwise.engine.offload_transfers import OffloadTransfers
 from shardwise.engine.surface.param_hooks import adopt_tensor_hooks
 from shardwise.engine.base.plan import UnitsSpec, build_plan, entry_modules
-from shardwise.engine.core.runtime import STATE_ATTR, ModelRuntime, Unit, runtime_of
+from shardwise.engine.core.runtime import STATE_ATTR, ModelRuntime, Unit
 from shardwise.engine.surface.shard_param import ShardParamFactory, warn_if_backward_inputs_unseen
 from shardwise.engine.base.strategy import Strategy, resolve_groups
 
@@ -36,7 +39,7 @@ def shard(
     mixed_precision: Optional[MixedPrecision] = None,
     offload: Optional[CPUOffload] = None,
     *,
-    sync_module_states: bool = False,
+    sync_module_states: Optional[bool] = None,
     param_init_fn: Optional[Callable[[nn.Module], None]] = None,
     device: Optional[Union[str, torch.device]] = None,
     prefetch: bool = True,
@@ -47,8 +50,9 @@ def shard(
 
     Args:
         units: what becomes a unit (one all-gather / reduce-scatter each): a set of module classes, a
-            callable ``(module) -> bool``, or ``"auto"`` (Hugging Face ``_no_split_modules``, else the
-            children of the largest ``nn.ModuleList``). Parameters outside every unit form the root unit.
+            callable ``(module) -> bool``, ``"auto"`` (Hugging Face ``_no_split_modules``, else the children
+            of the largest ``nn.ModuleList``; a model with neither, a CNN or an MLP, becomes one unit, with a
+            warning), or ``None`` (one unit: the whole model). Parameters outside every unit form the root unit.
         strategy: full_shard (ZeRO-3), shard_grad_op (FSDP's ZeRO-2: parameters gathered once per step),
             shard_optim_grad (DeepSpeed's ZeRO-2: full parameters kept across steps, gradients and optimizer
             state sharded), shard_optim (ZeRO-1: only optimizer state and masters sharded), no_shard (DDP),
@@ -57,9 +61,12 @@ def shard(
         mesh: a 1-D ``DeviceMesh``, or 2-D ``("replicate", "shard")`` for the hybrid strategies.
         mixed_precision: gather/compute dtype and gradient-reduction dtype; masters stay in their dtype.
         offload: ``CPUOffload()`` keeps shards, gradients and the optimizer step on the CPU.
-        sync_module_states: take rank 0's parameters and buffers (other ranks may be on the meta device).
+        sync_module_states: ``True`` takes rank 0's parameters and buffers (other ranks may be on the meta
+            device). Not given, every rank's initial weights are compared (one checksum per tensor, one small
+            all-gather) and rank 0's are taken where they differ, as DistributedDataParallel does, with a
+            warning; ``False`` refuses ranks that differ instead (initial_weights.py).
         param_init_fn: initialises a module's own parameters when the model is on the meta device
-            (default: ``module.reset_parameters()``).
+            (default: ``module.reset_parameters()``); every rank runs it from rank 0's RNG state.
         device: compute device; default: the parameters' accelerator, else ``cuda:<current>`` when the
             process group moves CUDA tensors over NCCL, else CPU (``shardwise.engine.base.device.compute_device``).
         prefetch: start the next unit's all-gather before the current one computes.
@@ -70,7 +77,9 @@ def shard(
             every rank used. ``False`` keeps each rank's own buffers.
 
     After this call ``model.parameters()`` are the 1-D local shards (names unchanged); build the optimizer
-    from them. During a unit's forward its parameters are full-shape views of a gathered buffer.
+    from them. During a unit's forward its parameters are full-shape views of a gathered buffer. The model
+    answers DDP's idioms itself (ddp_idioms.py): ``model.no_sync()``, ``model.require_backward_grad_sync``;
+    ``model.module`` is a named error (there is no wrapper: use the model).
     """
     if hasattr(model, STATE_ATTR):
         raise ShardwiseError(f"shardwise.shard() was already called on this {type(model).__name__} (or on a model "
@@ -80,12 +89,17 @@ def shard(
         raise ShardwiseError(f"shardwise.shard(): submodule {inner!r} of this {type(model).__name__} is already "
                              f"sharded (shard() was called on it); call shard() once, on the whole model, and "
                              f"choose the units with units=")
+    refuse_rewriting_modules(model)  # nn.Embedding(max_norm=...): before anything is allocated
     strategy = Strategy.parse(strategy)
     mp = mixed_precision or MixedPrecision()
     pgs = resolve_groups(strategy, mesh)
     compute_device = _resolve_device(model, device, pgs)
-    is_meta = any(p.is_meta for p in model.parameters())
     plan = build_plan(model, units, pgs.shard_size)
+    if units == "auto" and len(plan.units) == 1 and dist.get_rank() == 0:
+        warnings.warn(f"shardwise.shard(units='auto'): {type(model).__name__} has no repeated blocks (no Hugging Face "
+                      f"_no_split_modules, no nn.ModuleList), so the whole model is one unit, gathered whole for "
+                      f"its forward and backward; pass units={{SomeBlock, ...}} (module classes) to shard it finer, "
+                      f"or units=None to say one unit is meant", UserWarning, stacklevel=2)
     state_dict_keys = list(model.state_dict(keep_vars=True).keys())
     transfers = OffloadTransfers(compute_device, offload) if offload is not None else None
     runtime = ModelRuntime(strategy, pgs, mp, prefetch, plan=plan, state_dict_keys=state_dict_keys,
@@ -98,15 +112,19 @@ def shard(
                           checker=runtime.checker, ids=(ui, gi))
         for ui, up in enumerate(plan.units) for gi, gp in enumerate(up.groups)}
     warn_if_backward_inputs_unseen()  # a torch that cannot show us backward(inputs=...) says so once
-    _fill(model, plan, list(flat_groups.values()), compute_device, sync_module_states, is_meta, param_init_fn)
-    if runtime.checker is not None:
+    if runtime.checker is not None:  # (first: the comparison of initial weights has the plan's size)
         check_same_plan(_describe_plan(plan, strategy, pgs), _world_if_many())
+    groups = list(flat_groups.values())
+    initial_weights.fill(model, groups, compute_device, sync_module_states, param_init_fn, runtime.checker)
+    _retire_originals(groups)
     runtime.units = [Unit(up, [flat_groups[id(gp)] for gp in up.groups], runtime) for up in plan.units]
     _install_hooks(model, runtime, activation_checkpointing)
     refuse_wrappers(model)  # DDP (Accelerate's prepare), fully_shard would redo the sharding on the pieces
+    refuse_rebuilding_methods(model)  # resize_token_embeddings after shard()
     state_dict_pieces.install(model, runtime)  # model.load_state_dict() marks the shards written
     runtime.before_forward.append(optimizer_swap.restore_all)  # a step that raised left its swap (optimizer_swap.py)
     whole_model_saves.install(model)  # model.save_pretrained(dir) writes the whole model, streamed
+    ddp_idioms.install(model)  # model.no_sync(), model.require_backward_grad_sync, model.module
     if broadcast_buffers and pgs.data_parallel_size > 1:
         sync = BufferBroadcast(model, runtime)
         if sync.buffers:
@@ -114,23 +132,10 @@ def shard(
     return model
 
 
-def _fill(model: nn.Module, plan, groups: list[FlatGroup], device: torch.device, sync_module_states: bool,
-          is_meta: bool, param_init_fn) -> None:
-    """Fill every shard (rank 0's values, a meta init, or this rank's slice of the eager parameters), move
-    buffers to the compute device, and retire the original parameter objects: their memory is released, and
-    an optimizer that still holds them (built before shard) is caught at its first step instead of silently
+def _retire_originals(groups: list[FlatGroup]) -> None:
+    """Retire the original parameter objects once the shards are filled: their memory is released, and an
+    optimizer that still holds them (built before shard) is caught at its first step instead of silently
     doing nothing."""
-    if sync_module_states:
-        materialize.fill_from_rank0(model, groups, device)
-    elif is_meta:
-        materialize.fill_from_meta(model, groups, device, param_init_fn)
-    else:
-        materialize.fill_from_full_params(groups)
-    if not sync_module_states:
-        for mod in model.modules():
-            for n, b in list(mod._buffers.items()):
-                if b is not None and b.device != device and not b.is_meta:
-                    mod._buffers[n] = b.to(device)
     for g in groups:
         for spec, shard_param in zip(g.plan.params, g.shard_params):
             old = spec.refs[0].module._parameters[spec.refs[0].name]
@@ -141,11 +146,14 @@ def _fill(model: nn.Module, plan, groups: list[FlatGroup], device: torch.device,
 
 
 def _install_hooks(model: nn.Module, runtime: ModelRuntime, activation_checkpointing: bool) -> None:
-    """Bind every unit's shards and register its entry and exit hooks; mark every module as sharded."""
+    """Bind every unit's shards and register its entry and exit hooks; mark every module as sharded. Entry
+    hooks go first (``prepend``) and exit hooks after those registered before ``shard()``: a user's hook
+    sees whole parameters (legacy ``weight_norm`` computes ``weight`` from ``weight_g`` and ``weight_v`` in a
+    pre-forward hook)."""
     for unit in runtime.units:
         up = unit.plan
         unit.bind_sharded()
-        up.module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
+        up.module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True, prepend=True)
         up.module.register_forward_hook(unit.post_forward, with_kwargs=True, always_call=True)
         if activation_checkpointing and not up.is_root:
             checkpoint_unit(unit)
@@ -153,7 +161,7 @@ def _install_hooks(model: nn.Module, runtime: ModelRuntime, activation_checkpoin
     # [Note: entries]): an encoder called by generate(), a head called directly, a recompute.
     for module, ui in entry_modules(runtime.plan):
         unit = runtime.units[ui]
-        module.register_forward_pre_hook(unit.pre_submodule, with_kwargs=True)
+        module.register_forward_pre_hook(unit.pre_submodule, with_kwargs=True, prepend=True)
         module.register_forward_hook(unit.post_forward, with_kwargs=True, always_call=True)
     for m in model.modules():
         setattr(m, STATE_ATTR, runtime)  # runtime_of(any submodule): summon_full_params(model.encoder)
@@ -195,14 +203,3 @@ def _resolve_device(model: nn.Module, device, pgs) -> torch.device:
     return devices.compute_device(real, pgs.shard or pgs.replicate, explicit=device)
 
 
-@contextlib.contextmanager
-def no_sync(model: nn.Module) -> Iterator[None]:
-    """Accumulate gradients locally (unsharded, in the reduce dtype) without communicating them; the first
-    backward outside the context reduces everything accumulated so far."""
-    rt = runtime_of(model)
-    previous = rt.require_grad_sync
-    rt.require_grad_sync = False
-    try:
-        yield
-    finally:
-        rt.require_grad_sync = previous

@@ -51,9 +51,12 @@ def fill_from_meta(
     groups: list[FlatGroup],
     device: torch.device,
     param_init_fn: Optional[Callable[[nn.Module], None]],
+    seen: Optional[Callable[[FlatGroup, int, torch.Tensor], None]] = None,
 ) -> None:
     """Default init: ``module.reset_parameters()``, or for a Hugging Face model the model's own
-    ``_init_weights`` (hf_init.py), so that a meta build comes out as ``from_config`` would."""
+    ``_init_weights`` (hf_init.py), so that a meta build comes out as ``from_config`` would. ``seen(group,
+    index, value)`` is shown every parameter's whole initial value before it is sliced (initial_weights.py
+    compares them across ranks), except where the init leaves parameters to ``load_pretrained``."""
     if param_init_fn is None and is_hf_model(model):
         param_init_fn = hf_param_init_fn(model, device)
     where = _specs_by_param(groups)
@@ -105,6 +108,8 @@ def fill_from_meta(
                     if check_params and value.is_floating_point() and bool(torch.isnan(value).any()):
                         uninitialised.append(f"parameter {mod_name + '.' if mod_name else ''}{n} "
                                              f"({type(module).__name__})")
+                    if seen is not None and check_params:
+                        seen(g, i, value)
                     copy_slice_into_shard(g, i, value)
                     done.add(id(p))
         finally:

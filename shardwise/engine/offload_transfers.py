@@ -40,10 +40,11 @@ from shardwise.engine.base.cpu_offload import CPUOffload
 class Landing:
     """A gradient shard on its way to a pinned host buffer."""
 
-    __slots__ = ("group", "buffer", "event", "final")
+    __slots__ = ("group", "buffer", "event", "final", "used")
 
-    def __init__(self, group, buffer: torch.Tensor, event, final: bool):
+    def __init__(self, group, buffer: torch.Tensor, event, final: bool, used=None):
         self.group, self.buffer, self.event, self.final = group, buffer, event, final
+        self.used = used  # which parameters get it (None: every trainable one; core/grad_usage.py)
 
 
 class DeviceCopy:
@@ -80,9 +81,9 @@ class OffloadTransfers:
         self.trace: Optional[list] = None  # set to [] to record (event, (unit, group)) tuples: tests read it
 
     # ---- device -> host -----------------------------------------------------------------------------
-    def grad_to_host(self, group, grad_shard: torch.Tensor, final: bool) -> None:
+    def grad_to_host(self, group, grad_shard: torch.Tensor, final: bool, used=None) -> None:
         """Start copying a reduced gradient shard to the host. ``final``: the group receives no other
-        gradient in this backward (its optimizer step may start once this one lands)."""
+        gradient in this backward (its optimizer step may start once this one lands); ``used``: the sink's."""
         self._settle(group)  # an earlier gradient of this group is handed out first: it decides where this goes
         buffer = self._host_buffer(group, "incoming" if group.sink.has_grad(group) else "grad")
         self.d2h.wait_stream(self.streams.current_stream())  # the reduced shard is complete on the compute stream
@@ -93,7 +94,7 @@ class OffloadTransfers:
             event.record(self.d2h)
         self.streams.record_stream(grad_shard, self.d2h)
         self.note("d2h", group)
-        landing = Landing(group, buffer, event, final)
+        landing = Landing(group, buffer, event, final, used)
         if self.consumer is None:
             self._queued.append(landing)
         else:
@@ -104,7 +105,7 @@ class OffloadTransfers:
         or added to the ``.grad`` they hold)."""
         landing.event.synchronize()
         self.note("landed", landing.group)
-        landing.group.sink.accumulate(landing.group, landing.buffer)
+        landing.group.sink.accumulate(landing.group, landing.buffer, landing.used)
 
     def _host_buffer(self, group, kind: str) -> torch.Tensor:
         key = (group, kind)

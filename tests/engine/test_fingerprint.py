@@ -236,9 +236,10 @@ def _agree(rank: int, world: int, strategy: str = "full_shard") -> tuple[int, in
 
 def test_agreeing_ranks_fingerprint_every_collective_inside_the_collective_itself():
     """3 blocks + root, 2 steps: per step 4 gathers in forward, 3 re-gathers in backward, 4 reduce-scatters,
-    each fingerprinted; on gloo every fingerprint rides in band, so no separate exchange happens."""
+    each fingerprinted; on gloo every fingerprint rides in band, so no separate exchange happens. (Plus one
+    at shard(): the comparison of every rank's initial weights, agreed like every collective outside steps.)"""
     results = run_distributed(_agree, 3)
-    assert results == [(2 * (4 + 3 + 4), 0)] * 3
+    assert results == [(1 + 2 * (4 + 3 + 4), 0)] * 3
 
 
 @pytest.mark.parametrize("strategy, world, per_step", [
@@ -247,7 +248,7 @@ def test_agreeing_ranks_fingerprint_every_collective_inside_the_collective_itsel
 ])
 def test_replica_all_reduces_carry_their_fingerprint_in_band_too(strategy, world, per_step):
     results = run_distributed(_agree, world, strategy)
-    assert results == [(2 * per_step, 0)] * world
+    assert results == [(1 + 2 * per_step, 0)] * world  # (1: the initial weights' comparison at shard())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])

@@ -154,10 +154,11 @@ def test_units_callable_and_none():
     assert [u.label for u in plan.units] == ["<root>"]
 
 
-def test_units_auto_without_repeated_blocks_is_an_error():
-    """units='auto' on a model with no ModuleList and no _no_split_modules raises, asking for units=."""
-    with pytest.raises(ShardwiseError, match="units="):
-        build_plan(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)), "auto", 2)
+def test_units_auto_without_repeated_blocks_makes_the_whole_model_one_unit():
+    """units='auto' on a model with no ModuleList and no _no_split_modules (a CNN, an MLP) plans it as
+    units=None does: one root unit (shard() says so: tests/engine/test_ddp_idioms.py)."""
+    plan = build_plan(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)), "auto", 2)
+    assert [u.label for u in plan.units] == ["<root>"] and len(list(plan.params())) == 4
 
 
 @pytest.mark.parametrize("units,fragment", [("blocks", "'blocks'"), ({int}, "not nn.Module"),

@@ -364,6 +364,49 @@ def _moe_expert_units_scenario(rank, ws):
     return outcome
 
 
+# ---- what a module does to its parameters around its own forward ------------------------------------------
+class WeightNormNet(nn.Module):
+    """Legacy ``torch.nn.utils.weight_norm``: a pre-forward hook computes ``weight`` from ``weight_g`` and
+    ``weight_v``, so it must run after the unit's entry has gathered them (shardwise's entry hooks go first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(29, 9)
+        self.hidden = torch.nn.utils.weight_norm(nn.Linear(9, 13))
+        self.head = torch.nn.utils.weight_norm(nn.Linear(13, 29), dim=None)
+
+    def forward(self, idx, targets):
+        logits = self.head(torch.tanh(self.hidden(self.embed(idx))))
+        return F.cross_entropy(logits.reshape(-1, 29), targets.reshape(-1))
+
+
+class SparseEmbeddingNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(29, 9, sparse=True)  # gradients arrive as sparse tensors: reduced dense
+        self.head = nn.Linear(9, 29)
+
+    def forward(self, idx, targets):
+        return F.cross_entropy(self.head(self.embed(idx)).reshape(-1, 29), targets.reshape(-1))
+
+
+def _built_twice_scenario(build, units, optimizers=("sgd", "adamw")):
+    """Parity for a model that cannot be deep-copied (a weight_norm module's ``weight`` is not a leaf): the
+    reference and the sharded model are built from the same seed."""
+
+    def run(rank, ws):
+        out = {}
+        for optimizer in optimizers:
+            torch.manual_seed(0)
+            ref = build()
+            torch.manual_seed(0)
+            model = shardwise.shard(build(), units=units)
+            out[optimizer] = train_pair(model, ref, _plain_step, make_batches(STEPS, 29), rank, ws, optimizer=optimizer)
+        return out
+
+    return run
+
+
 def _torch_worker(rank, ws):
     return run_scenarios({
         "dataclass_output": _opaque_scenario(BlockOut),
@@ -372,6 +415,10 @@ def _torch_worker(rank, ws):
         "encode_method": _encode_scenario,
         "torch_checkpoint_non_reentrant": _checkpoint_scenario(False),
         "torch_checkpoint_reentrant": _checkpoint_scenario(True),
+        "weight_norm_units": _built_twice_scenario(WeightNormNet, {nn.Linear}),  # the hooked module is the unit
+        "weight_norm_root": _built_twice_scenario(WeightNormNet, None),
+        # (torch's AdamW refuses the reference's sparse gradient; SGD with momentum takes it)
+        "sparse_embedding": _built_twice_scenario(SparseEmbeddingNet, {nn.Embedding}, ("sgd",)),
         "moe_expert_units": _moe_expert_units_scenario,  # last: ranks calling different units
     }, rank, ws)
 
@@ -427,3 +474,20 @@ def test_moe_with_experts_as_units_idle_on_some_ranks():
         assert "experts." in r["shardwise_error"], r["shardwise_error"]
         return
     assert_parity(r["metrics"], label="moe expert units")
+
+
+@pytest.mark.parametrize("name", ["weight_norm_units", "weight_norm_root"])
+def test_legacy_weight_norm_trains_exactly(name):
+    """torch.nn.utils.weight_norm's pre-forward hook computes the weight after the unit's entry gathered
+    weight_g and weight_v (it read freed memory and crashed the process before shardwise's entry hooks went
+    first), whether the normalised Linear is a unit of its own or inside the root."""
+    for optimizer, metrics in scenario(torch_report(), name).items():
+        assert_parity(metrics, label=f"{name}/{optimizer}")
+
+
+def test_sparse_embedding_gradients_are_reduced_dense():
+    """nn.Embedding(sparse=True): its sparse gradient is reduced (and handed out) dense: exact with SGD and
+    momentum (so dense optimizers such as AdamW work too; SparseAdam, which needs sparse gradients, is refused
+    with the other non-elementwise optimizers)."""
+    for optimizer, metrics in scenario(torch_report(), "sparse_embedding").items():
+        assert_parity(metrics, label=f"sparse embedding/{optimizer}")

@@ -128,3 +128,46 @@ def test_a_whole_group_dtype_conversion_is_followed_with_its_grads():
         assert p.data_ptr() == alias.data_ptr() and torch.equal(p.detach(), v.double())
         assert p.grad.dtype == torch.float64
     assert _written_by_the_sink(sink, g)
+
+
+# ---- no gradient means p.grad is None (core/grad_usage.py) ------------------------------------------------
+def _end_backward(g: FlatGroup) -> None:
+    """What ModelRuntime.end_backward does for a group of one rank: its own marks are everyone's."""
+    used, g.used_this_backward = g.used_this_backward, None
+    g.sink.end_backward(g, used)
+
+
+def test_a_parameter_no_backward_reached_gets_no_gradient():
+    sink = RecordingSink()
+    g = _group(sink)
+    shapes = [s.shape for s in g.plan.params]
+    _reduce(g, [torch.ones(shapes[0]), None, torch.ones(shapes[2]), None])
+    assert g.used_this_backward == [True, False, True, False]
+    _end_backward(g)
+    assert [p.grad is None for p in g.shard_params] == [False, True, False, True]
+    assert _written_by_the_sink(sink, g)
+    # A parameter that held a gradient keeps it, unchanged (plain torch leaves an existing .grad alone).
+    _reduce(g, [None, torch.ones(shapes[1]), None, None])
+    _end_backward(g)
+    assert [p.grad is None for p in g.shard_params] == [False, False, False, True]
+    assert torch.equal(g.shard_params[0].grad, torch.ones(shapes[0]).reshape(-1))
+
+
+def test_no_sync_hands_out_handles_only_to_what_was_used_and_the_synced_backward_decides():
+    g = _group(RecordingSink())
+    shapes = [s.shape for s in g.plan.params]
+    _reduce(g, [torch.ones(shapes[0]), None, None, None], sync=False)
+    assert [p.grad is None for p in g.shard_params] == [False, True, True, True], "as DDP under no_sync"
+    _reduce(g, [None, None, None, torch.ones(shapes[3])], sync=False)
+    assert [p.grad is None for p in g.shard_params] == [False, True, True, False]
+    _reduce(g, [None, torch.ones(shapes[1]), None, None], sync=True)  # the synced micro-batch
+    _end_backward(g)
+    assert [p.grad is None for p in g.shard_params] == [False, False, True, False], "used in any micro-batch = used"
+    assert torch.equal(g.shard_params[0].grad, torch.ones(shapes[0]).reshape(-1))
+    # Handles dropped between micro-batches (zero_grad): the accumulation and what it marked start again.
+    _reduce(g, [torch.ones(shapes[0]), None, None, None], sync=False)
+    for p in g.shard_params:
+        p.grad = None
+    _reduce(g, [None, None, torch.ones(shapes[2]), None], sync=True)
+    _end_backward(g)
+    assert [p.grad is None for p in g.shard_params] == [True, True, False, True]

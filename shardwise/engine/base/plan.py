@@ -127,7 +127,8 @@ class ShardingPlan:
 
 
 def resolve_unit_modules(model: nn.Module, units: Optional[UnitsSpec]) -> list[tuple[str, nn.Module]]:
-    """The (fqn, module) pairs that become units, in module order. The root is never among them."""
+    """The (fqn, module) pairs that become units, in module order (none: the root is the one unit). The root
+    is never among them."""
     if units is None:
         return []
     if isinstance(units, str):
@@ -149,10 +150,9 @@ def resolve_unit_modules(model: nn.Module, units: Optional[UnitsSpec]) -> list[t
                 f"module classes present: {', '.join(sorted({c.__name__ for c in present}))}"
             )
         predicate = lambda m: type(m) in classes  # noqa: E731
-    found = [(n, m) for n, m in model.named_modules() if m is not model and predicate(m)]
-    if isinstance(units, str) and not found:
-        raise ShardwiseError(f"units='auto' found no repeated blocks in {type(model).__name__}; pass units= explicitly")
-    return found
+    # (units="auto" on a model without repeated blocks, a CNN or an MLP, finds none: one unit, as units=None;
+    # shard() says so.)
+    return [(n, m) for n, m in model.named_modules() if m is not model and predicate(m)]
 
 
 def no_split_classes(model: nn.Module) -> set[type]:

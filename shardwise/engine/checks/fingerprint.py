@@ -66,8 +66,8 @@ PICKLE_PIECES = ("torch.save of a sharded model's state_dict() pieces (every ran
                  "shardwise.save_whole_model / shardwise.full_state_dict)")
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast_buffers", "clip_grad_norm", "state_dict",
        "summon_full_params", "checkpoint", "kept_copy_agreement", "grad_reduction",
-       "optimizer_state_check", "tensor_hook_gather", "overflow_vote", "load_state_dict", "save_whole_model",
-       "piece_gather", PICKLE_PIECES)
+       "optimizer_state_check", "tensor_hook_gather", "overflow_vote", "load_state_dict", "initial_weights",
+       "rng_state", "grad_usage", "save_whole_model", "piece_gather", PICKLE_PIECES)
 MODEL = 256**3 - 1  # the unit field of a collective that belongs to the model as a whole, not to one unit
 PHASES = ("idle", "forward", "backward")
 
@@ -160,20 +160,25 @@ class CollectiveChecker:
         self.hash = _mix(self.hash, values)
         self.agree(f"the consistency exchange before {self._describe(values)}")
 
-    def agree(self, what: str = "the consistency exchange at the end of backward") -> None:
+    def agree(self, what: str = "the consistency exchange at the end of backward",
+              payload: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """The per-step compare: one all-gather of (seq, running hash, count) on the side group; every rank
         raises the same error if they differ. Free when nothing was recorded out of band since the last one
-        (every rank then skips it alike: their logs have the same length when they agree)."""
-        if self.group is None or not self.log:
-            return
-        mine = torch.tensor([self.seq, self.hash, len(self.log)], dtype=torch.int64)
-        everyone = torch.empty(self.world * 3, dtype=torch.int64)
+        (every rank then skips it alike: their logs have the same length when they agree), unless a
+        ``payload`` rides along: a 1-D int64 tensor of the same size on every rank (the parameters' usage
+        at the end of backward, core/grad_usage.py), exchanged in the same message; returns every rank's,
+        one row per rank (None without a payload)."""
+        if self.group is None or (not self.log and payload is None):
+            return None
+        extra = payload if payload is not None else torch.empty(0, dtype=torch.int64)
+        mine = torch.cat([torch.tensor([self.seq, self.hash, len(self.log)], dtype=torch.int64), extra])
+        everyone = torch.empty(self.world * mine.numel(), dtype=torch.int64)
         collectives.all_gather_into(everyone, mine, self.group, async_op=False, what=what)
-        table = everyone.view(self.world, 3)
-        if bool((table == table[0]).all()):
+        table = everyone.view(self.world, -1)
+        if bool((table[:, :3] == table[0, :3]).all()):
             self.log.clear()
             self.hash = 0
-            return
+            return table[:, 3:] if payload is not None else None
         self._raise_first_difference(int(table[:, 2].max()), what)
 
     def _raise_first_difference(self, longest: int, what: str) -> None:

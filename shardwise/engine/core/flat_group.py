@@ -40,7 +40,7 @@ from shardwise.engine.base.plan import FlatGroupPlan
 from shardwise.engine.base.strategy import ProcessGroups, Strategy
 from shardwise.engine.checks.fingerprint import CollectiveChecker, Stamp
 from shardwise.engine.checks.group_fingerprint import GroupFingerprint
-from shardwise.engine.core import reduction
+from shardwise.engine.core import grad_usage, reduction
 from shardwise.engine.base.torch_internals import resize_storage, version_counter
 from shardwise.engine.core.seams import GradSink, ParamFactory
 from shardwise.errors import ShardwiseError
@@ -114,6 +114,10 @@ class FlatGroup:
         self._gather_src: Optional[torch.Tensor] = None  # keeps a cast/moved shard alive during the collective
         self._gather_stamp: Optional[Stamp] = None
         self._unsynced_grad: Optional[torch.Tensor] = None  # no_sync accumulation, unsharded, reduce dtype
+        self._unsynced_used: Optional[list[bool]] = None  # which parameters it holds a gradient of (grad_usage.py)
+        # Which parameters this rank's reductions handed out a gradient of since the last synced backward ended:
+        # recorded by reduction.finish, agreed across ranks by ModelRuntime.end_backward (grad_usage.py).
+        self.used_this_backward: Optional[list[bool]] = None
         self._warned_frozen = False
 
     def _allocate(self, dtype: torch.dtype, values: list[Optional[torch.Tensor]]) -> None:
@@ -327,22 +331,26 @@ class FlatGroup:
         # Without a shard group the grad flat is itself what the replicas all-reduce: room for that header.
         buffer = torch.empty(self.plan.padded_numel + self.fingerprint.room_grad_flat, dtype=self.reduce_dtype, device=self.device)
         flat = buffer.narrow(0, 0, self.plan.padded_numel)
+        used = [g is not None for g in grads]  # (None: no gradient reached that output: grad_usage.py)
         for spec, g in zip(self.plan.params, grads):
             dst = flat.narrow(0, spec.offset, spec.numel)
             if g is None:
                 dst.zero_()  # parameter unused in this forward: it contributes zero
+            elif g.layout != torch.strided:
+                dst.copy_(g.to_dense().reshape(-1))  # nn.Embedding(sparse=True): reduced (and handed out) dense
             else:
                 dst.copy_(g.reshape(-1))
         flat.narrow(0, self.plan.numel, self.plan.padded_numel - self.plan.numel).zero_()
         if self.has_unsynced_grad():
             flat.add_(self._unsynced_grad)
-            self._unsynced_grad = None
+            used = grad_usage.either(used, self._unsynced_used)
+            self._unsynced_grad = self._unsynced_used = None
         if not sync:
             self.sink.begin_unsynced(self)
-            self._unsynced_grad = flat
-            self.sink.mark_unsynced(self)
+            self._unsynced_grad, self._unsynced_used = flat, used
+            self.sink.mark_unsynced(self, used)
             return None
-        return reduction.start(self, buffer)
+        return reduction.start(self, buffer, used)
 
     # [Note: the no_sync accumulator follows p.grad] Under no_sync the gradient accumulates unsharded,
     # here, not in ``p.grad``. Its lifetime follows the handles the user holds: each trainable shard
@@ -353,7 +361,7 @@ class FlatGroup:
     # ``p.grad`` out and knows whether they are still held (``GradSink.mark_unsynced`` / ``unsynced_held``).
     def has_unsynced_grad(self) -> bool:
         if self._unsynced_grad is not None and not self.sink.unsynced_held(self):
-            self._unsynced_grad = None  # the user dropped or rewrote the gradients it belonged to
+            self._unsynced_grad = self._unsynced_used = None  # the user dropped or rewrote the gradients it belonged to
         return self._unsynced_grad is not None
 
 

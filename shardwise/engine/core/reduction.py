@@ -19,12 +19,13 @@ packed gradients are alive at once, plus the one being packed.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
 from shardwise.engine.base import collectives
 from shardwise.engine.base.torch_internals import resize_storage
+from shardwise.engine.core import grad_usage
 from shardwise.engine.checks.fingerprint import Stamp
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class Reduction:
     sent: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)  # the packed gradient (and its header room) the collective works on
     frees_sent: bool = False  # finish frees ``sent`` (reduce-scatter; ZeRO-1's is the output itself)
     final: bool = True  # the group gets no other gradient in this backward (Unit.post_backward says)
+    used: tuple = ()  # per parameter: whether this rank packed a gradient of it (grad_usage.py)
 
 
 def _divisors(reduce_dtype: torch.dtype, data_parallel_size: int) -> tuple[int, int]:
@@ -56,16 +58,20 @@ def _divisors(reduce_dtype: torch.dtype, data_parallel_size: int) -> tuple[int, 
     return 1, data_parallel_size
 
 
-def start(group: "FlatGroup", buffer: torch.Tensor) -> Reduction:
-    """Start reducing ``buffer`` (the group's packed gradient, padded numel, then its header room)."""
+def start(group: "FlatGroup", buffer: torch.Tensor, used: Sequence[bool]) -> Reduction:
+    """Start reducing ``buffer`` (the group's packed gradient, padded numel, then its header room); ``used``:
+    which parameters this rank packed a gradient of."""
     before, after = _divisors(group.reduce_dtype, group.pgs.data_parallel_size)
     if before != 1:
         buffer.narrow(0, 0, group.plan.padded_numel).div_(before)
     if group.pgs.shard is None:
-        return _within_one_rank(group, buffer, after)
-    if group.all_reduce_grads:
-        return _all_reduce_whole(group, buffer, after)
-    return _reduce_scatter(group, buffer, after)
+        r = _within_one_rank(group, buffer, after)
+    elif group.all_reduce_grads:
+        r = _all_reduce_whole(group, buffer, after)
+    else:
+        r = _reduce_scatter(group, buffer, after)
+    r.used = tuple(used)
+    return r
 
 
 def _within_one_rank(group: "FlatGroup", buffer: torch.Tensor, divide_after: int) -> Reduction:
@@ -114,4 +120,10 @@ def finish(r: Reduction, discard: bool = False) -> None:
         g.fingerprint.wait(work, g._what("all_reduce"), stamp, r.out_buffer)
     if r.divide_after != 1:
         r.out.div_(r.divide_after)
-    g.sink.deliver(g, r.out, r.final)  # to .grad (through the host under CPU offload): seams.py
+    g.used_this_backward = grad_usage.either(g.used_this_backward, r.used)  # (agreed at the end of backward)
+    used = None
+    if g.sink.wants_usage_at_hand_out(g):  # (its hand-out runs hooks or steps at once: agreed now)
+        used = grad_usage.agree_now(r.used, g.checker, g.pgs, g.ids[0],
+                                    f"the agreement on which parameters of unit {g.plan.unit_fqn or '<root>'!r} "
+                                    f"got a gradient, before its hand-out")
+    g.sink.deliver(g, r.out, r.final, used)  # to .grad (through the host under CPU offload): seams.py

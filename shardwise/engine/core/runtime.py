@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from shardwise.engine.base import collectives, watchdog
-from shardwise.engine.core import reduction
+from shardwise.engine.core import grad_usage, reduction
 from shardwise.engine.core.reduction import Reduction
 from shardwise.engine.base.mixed_precision import MixedPrecision
 from shardwise.engine.base.strategy import ProcessGroups, Strategy
@@ -165,10 +165,13 @@ class ModelRuntime:
             self.shards_written()
         if self.transfers is not None:
             self.transfers.end_backward()  # every offloaded gradient on the host and handed out
-        if self.checker is not None:
-            self.checker.agree()  # before backward returns: no gradient reaches an optimizer unchecked
+        # Before backward returns, so no gradient reaches an optimizer unchecked: the fingerprint compare, with
+        # which parameters any rank gave a gradient folded in after a synced backward (grad_usage.py).
+        usage = self._agree_usage() if self.require_grad_sync else self._agree_only()
         for g in self.flat_groups():
-            g.sink.end_backward(g)  # (the surface's: gradients that reached a parameter directly, a penalty)
+            # Drops the gradients of parameters no rank used; (the surface's sink: then the gradients that
+            # reached a parameter directly, a penalty).
+            g.sink.end_backward(g, usage.get(id(g)))
         for u in self.units:
             u.owed_backwards = 0
             u.backward_views = None
@@ -176,6 +179,34 @@ class ModelRuntime:
                 u.bind_sharded()
                 u.reshard()
         self.phase = Phase.IDLE
+
+    def _agree_only(self) -> dict:
+        if self.checker is not None:
+            self.checker.agree()
+        return {}
+
+    def _agree_usage(self) -> dict[int, list[bool]]:
+        """id(group) -> which of its parameters any rank's reductions gave a gradient since the last synced
+        backward, for every group that reduced; every trainable group's marks travel, so the exchange has
+        the same size on every rank whatever ran."""
+        groups = [g for g in self.flat_groups() if g.plan.requires_grad]
+        marks, reduced = [], {}
+        for g in groups:
+            used, g.used_this_backward = g.used_this_backward, None
+            marks += used if used is not None else [False] * len(g.plan.params)
+            if used is not None:
+                reduced[id(g)] = used
+        if self.pgs.data_parallel_size == 1:
+            self._agree_only()
+            return reduced
+        agreed = grad_usage.agree(marks, self.checker, self.pgs)
+        at = 0
+        for g in groups:
+            n = len(g.plan.params)
+            if id(g) in reduced:
+                reduced[id(g)] = agreed[at:at + n]
+            at += n
+        return reduced
 
     # [Note: one path decides the shards were written] ZeRO-1/2 keep each unit's gathered parameters
     # across steps, so the kept copy goes stale whenever a shard is written: an optimizer step, a load
@@ -220,6 +251,7 @@ class ModelRuntime:
         while self._pending:
             reduction.finish(self._pending.popleft(), discard=True)
         for g in self.flat_groups():
+            g.used_this_backward = None
             g.sink.recover(g)
         if self.transfers is not None:
             self.transfers.recover()

@@ -33,11 +33,11 @@ class DirectGrads:
     def drop(self) -> None:
         self.pending = {}
 
-    def hand_out(self, group, sink) -> None:
+    def hand_out(self, group, sink) -> list[int]:
         """At the end of backward: add each to its parameter's ``p.grad`` through the group's ``sink`` (every
-        rank alike)."""
+        rank alike); returns the indices of the parameters reached."""
         if not self.pending:
-            return
+            return []
         pending, self.pending = self.pending, {}
         consumer = group.transfers.consumer if group.transfers is not None else None
         if consumer is not None and consumer.steps_in_backward:
@@ -63,3 +63,4 @@ class DirectGrads:
             sink.add_grad(p, grad)
         if accumulating:
             sink.mark_unsynced(group)  # the engine wrote these gradients itself: the no_sync marks move with them
+        return sorted(pending)

@@ -48,10 +48,19 @@ class PieceGradSink(GradSink):
             self.set_grad(p, grad)
         grad._local.add_(piece)
 
-    def accumulate(self, group, grad_shard: torch.Tensor) -> None:
-        """Give each trainable shard parameter its piece of ``grad_shard`` (a view, so grads stay one flat
-        buffer), then run its post-accumulate-grad hooks as autograd would have."""
+    def wants_usage_at_hand_out(self, group) -> bool:
+        """Post-accumulate-grad hooks run at the hand-out, and an offload optimizer may step there."""
+        consumer = group.transfers.consumer if group.transfers is not None else None
         with local_only():
+            return (any(post_accumulate_grad_hooks(p) for p in group.shard_params)
+                    or bool(consumer is not None and consumer.steps_in_backward))
+
+    def accumulate(self, group, grad_shard: torch.Tensor, used=None) -> None:
+        """Give each trainable shard parameter its piece of ``grad_shard`` (a view, so grads stay one flat
+        buffer), then run its post-accumulate-grad hooks as autograd would have; with ``used``, only the
+        parameters some rank used get either."""
+        with local_only():
+            self.begin_hand_outs(group)
             post_hooked = any(post_accumulate_grad_hooks(p) for p in group.shard_params)
             tensor_hooked = has_tensor_hooks(group)
         if group.checker is not None and post_hooked:
@@ -59,11 +68,11 @@ class PieceGradSink(GradSink):
             group.checker.agree("the consistency exchange before a post-accumulate-grad hook")
         grad_shard = like_shard(group, grad_shard)
         full = full_grad(group, grad_shard) if tensor_hooked else None  # (param_hooks.py)
-        for p, (lo, hi, at), spec in zip(group.shard_params, group.local_slices, group.plan.params):
+        for i, (p, (lo, hi, at), spec) in enumerate(zip(group.shard_params, group.local_slices, group.plan.params)):
             with local_only():
                 trainable, hooked = p.requires_grad, full is not None and bool(tensor_hooks(p))
-            if not trainable:
-                continue  # frozen after shard(): autograd would give it no gradient either
+            if not trainable or (used is not None and not used[i]):
+                continue  # frozen after shard(), or no rank used it: autograd would give it no gradient either
             if hooked:  # (user code: runs with pieces' rules on)
                 piece = hooked_piece(p, spec, full, lo, hi).to(grad_shard.device)
             else:
@@ -79,16 +88,19 @@ class PieceGradSink(GradSink):
         with local_only():
             refuse_under_no_sync(group)  # tensor hooks would see the sum of the micro-batches
 
-    def mark_unsynced(self, group) -> None:
+    def mark_unsynced(self, group, used=None) -> None:
         with local_only():
-            super().mark_unsynced(group)
+            super().mark_unsynced(group, used)
 
     def unsynced_held(self, group) -> bool:
         with local_only():
             return super().unsynced_held(group)
 
-    def end_backward(self, group) -> None:
-        self.direct.hand_out(group, self)
+    def end_backward(self, group, used) -> None:
+        with local_only():
+            super().end_backward(group, used)  # parameters no rank used: no gradient
+        self.keep_grads(self.direct.hand_out(group, self))
 
     def recover(self, group) -> None:
+        super().recover(group)
         self.direct.drop()

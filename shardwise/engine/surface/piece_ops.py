@@ -245,12 +245,23 @@ def _foreach(func, args, kwargs):
                     layouts[i] = t._layout
                 elif t._layout != layouts[i]:
                     raise refusal(func, args, kwargs, _why_layouts_differ(layouts[i], t._layout))
+    gathered = set()  # indices whose written tensor is plain: their pieces are gathered, as in _into_plain
     for i, lay in enumerate(layouts):
         if lay is not None:
             written = [lst[i] for name in _written(func) for lst in [_arg(func, args, kwargs, name)]
                        if isinstance(lst, (list, tuple)) and not isinstance(lst[i], Piece)]
             if written:
-                raise refusal(func, args, kwargs, "it writes plain tensors from pieces in one list")
+                gathered.add(i)
+                layouts[i] = None
+    if gathered:  # (an EMA of the parameters kept in plain tensors: AveragedModel's _foreach_lerp_)
+        what = f"{_called(func)}, which writes plain tensors from pieces of sharded tensors"
+
+        def whole_at(a):
+            if isinstance(a, (list, tuple)) and len(a) == n:
+                return [whole_of(t, what) if i in gathered and isinstance(t, Piece) else t for i, t in enumerate(a)]
+            return a
+        args = tuple(whole_at(a) for a in args)
+        kwargs = {k: whole_at(v) for k, v in kwargs.items()}
 
     def localise(a):
         if isinstance(a, (list, tuple)) and a and len(a) == n:

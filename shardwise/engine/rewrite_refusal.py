@@ -1,0 +1,46 @@
+"""Refused by name at ``shard()``: modules and methods that rewrite parameters behind the engine's back.
+
+- ``nn.Embedding(max_norm=...)`` (and ``EmbeddingBag``) renormalises the rows it looks up in place, inside its
+  forward: on a sharded model that write would land in the gathered copy (autograd refuses it there, a view
+  written in place) and never reach the shards. Refused at ``shard()``, before anything is allocated.
+- ``resize_token_embeddings`` and ``resize_position_embeddings`` (Hugging Face) build new embedding modules
+  from the old weights and swap them in: after ``shard()`` they would read pieces as whole matrices. Each module
+  that has them gets an instance attribute that raises, naming the method and what to do instead (resize
+  before ``shard()``).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from shardwise.errors import ShardwiseError
+
+REBUILDING_METHODS = ("resize_token_embeddings", "resize_position_embeddings")
+
+
+def refuse_rewriting_modules(model: nn.Module) -> None:
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+            raise ShardwiseError(
+                f"module {name or '<root>'!r} is {type(m).__name__}(max_norm={m.max_norm}), which renormalises the "
+                f"rows it looks up in place during forward: on a sharded model that write would reach only a "
+                f"gathered copy of the weight, not the parameter. Build it without max_norm (renormalise "
+                f"explicitly between steps under shardwise.summon_full_params(model, writeback=True) if needed)")
+
+
+def refuse_rebuilding_methods(model: nn.Module) -> None:
+    """After ``shard()``: each module's parameter-rebuilding methods raise by name."""
+    for m in model.modules():
+        for method in REBUILDING_METHODS:
+            if callable(getattr(type(m), method, None)):
+                m.__dict__[method] = _Refusal(type(m).__name__, method)
+
+
+class _Refusal:
+    def __init__(self, owner: str, method: str):
+        self.owner, self.method = owner, method
+
+    def __call__(self, *args, **kwargs):
+        raise ShardwiseError(
+            f"{self.owner}.{self.method}() after shardwise.shard(): it rebuilds embedding parameters from the old "
+            f"weights, which are this rank's pieces now; call {self.method}() before shard()")

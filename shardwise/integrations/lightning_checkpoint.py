@@ -1,0 +1,186 @@
+"""One Lightning checkpoint path for a sharded model: a file that one process loads, and beside it a sidecar
+directory that resumes training at any world size. Used by both strategies in ``lightning.py``; nothing here
+imports Lightning.
+
+    PATH                          Lightning's checkpoint dict, written by rank 0 through the strategy's
+                                  CheckpointIO (torch.save). Its "state_dict" is the whole model: full CPU
+                                  tensors under the module's own names, gathered one flat group at a time, so
+                                  ``LightningModule.load_from_checkpoint(PATH)`` and ``torch.load`` read it in
+                                  one process as they read a DDP checkpoint. Each optimizer's entry is a marker,
+                                  ``{"shardwise_sidecar": "optimizer-<i>-<token>"}``, not its state.
+    PATH.shardwise/optimizer-<i>-<token>/
+                                  ``shardwise.save_checkpoint`` of the model and optimizer i: every rank writes
+                                  its own pieces (docs/CHECKPOINTS.md), and ``load_checkpoint`` reshards them to
+                                  any world size and strategy.
+
+Saving (every rank): the sidecar directories first (each appears atomically), then PATH on rank 0, then rank 0
+removes the sidecar entries PATH does not name (an earlier save to the same PATH, a crashed one). So a PATH on
+disk names directories that exist, and the token, new for every save, ties PATH to its own directories: next
+to another save's sidecar it finds no directory of its name and is refused by name.
+
+Restoring (every rank): with optimizers (a resumed fit), each optimizer and the model from its directory;
+without, the model from the first directory when there is one (each rank reads only its own bytes), else from
+PATH's whole state dict (rank 0's copy, broadcast one flat group at a time). PATH is memory-mapped when read
+with torch.load, so the ranks that do not use its tensors never read them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import shardwise
+from shardwise.errors import ShardwiseError
+
+SIDECAR_SUFFIX = ".shardwise"
+MARKER = "shardwise_sidecar"  # the key of an optimizer's entry in PATH
+
+
+def local_path(path: Union[str, os.PathLike]) -> Path:
+    """``path`` as a local path; a URL is refused (every rank writes its own pieces into the sidecar)."""
+    text = os.fspath(path)
+    if "://" in text:
+        raise ShardwiseError(f"checkpoint path {text!r}: the shardwise Lightning strategies save to a local (or "
+                             f"shared, mounted) directory, where every rank writes its own pieces; copy the "
+                             f"file and its {SIDECAR_SUFFIX} directory to remote storage afterwards")
+    return Path(text)
+
+
+def sidecar_of(path: Path) -> Path:
+    """``PATH.shardwise`` beside the file PATH is (a ``last.ckpt`` link finds its target's sidecar)."""
+    real = path.resolve()
+    return real.with_name(real.name + SIDECAR_SUFFIX)
+
+
+def placeholder() -> dict:
+    """An optimizer's entry until ``save`` names its directory (``optimizer_state()`` returns it)."""
+    return {MARKER: None}
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def whole_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every rank calls it; rank 0 gets ``{name: full CPU tensor}`` of the whole model, the others ``{}``.
+
+    Lightning's checkpoint is one ``torch.save``'d dict whose "state_dict" ``load_from_checkpoint`` reads, so
+    the whole model goes into it as the state dict the engine defines for a sharded model
+    (``shardwise.full_state_dict``: rank 0 holds every whole tensor on the CPU, as a DDP checkpoint does),
+    not through ``save_whole_model``, which writes a model directory of safetensors files."""
+    return shardwise.full_state_dict(model)
+
+
+def write_sidecar(path: Path, token: str, pairs: Sequence[tuple[nn.Module, torch.optim.Optimizer]],
+                  step: Optional[int]) -> list[dict]:
+    """Every rank: one shardwise checkpoint per (sharded model, optimizer); the markers PATH stores for them."""
+    side = sidecar_of(path)
+    markers = []
+    for i, (model, optimizer) in enumerate(pairs):
+        name = f"optimizer-{i}-{token}"
+        shardwise.save_checkpoint(side / name, model, optimizer, step=step)
+        markers.append({MARKER: name})
+    return markers
+
+
+def prune_sidecar(path: Path, markers: Sequence[dict]) -> None:
+    """Rank 0, once PATH is written: remove what PATH does not name from its sidecar (all of it when PATH has
+    no optimizer state)."""
+    side = sidecar_of(path)
+    keep = {m[MARKER] for m in markers}
+    if not side.is_dir():
+        return
+    if not keep:
+        shutil.rmtree(side, ignore_errors=True)
+        return
+    for entry in side.iterdir():
+        if entry.name in keep:
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+def remove(path: Path) -> None:
+    """Rank 0: the sidecar of a checkpoint Lightning removes (``ModelCheckpoint(save_top_k=...)``)."""
+    shutil.rmtree(sidecar_of(path), ignore_errors=True)
+
+
+def read(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
+    """PATH's dict on this rank, its tensors memory-mapped (read only where they are used)."""
+    if not path.is_file():
+        raise ShardwiseError(f"{path}: no checkpoint file there")
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+
+
+def sidecar_names(path: Path, entries: Optional[Sequence[Any]], count: int) -> list[str]:
+    """The directories of ``count`` optimizers from PATH's entries for them, or a ``ShardwiseError`` that
+    says why they cannot be resumed."""
+    if entries is None:
+        raise ShardwiseError(f"{path} holds no optimizer state (saved with weights only), so training cannot "
+                             f"resume from it; load its weights with load_from_checkpoint and start a new fit")
+    if len(entries) != count:
+        raise ShardwiseError(f"{path} holds the state of {len(entries)} optimizer(s) and this run has {count}: "
+                             f"resume with the same optimizers")
+    names = names_in(entries)
+    if len(names) != count:
+        raise ShardwiseError(f"{path} holds whole-tensor optimizer state (written by another strategy, such as "
+                             f"DDP): the shardwise strategy resumes only the checkpoints it wrote. To start from "
+                             f"its weights, load them with load_from_checkpoint and fit without ckpt_path")
+    return names
+
+
+def names_in(entries: Optional[Sequence[Any]]) -> list[str]:
+    """The sidecar directories PATH's optimizer entries name; [] unless every entry is a marker."""
+    names = [e.get(MARKER) if isinstance(e, Mapping) else None for e in entries or ()]
+    return names if all(isinstance(n, str) for n in names) else []
+
+
+def restore_optimizers(path: Path, names: Sequence[str],
+                       pairs: Sequence[tuple[nn.Module, torch.optim.Optimizer]]) -> None:
+    """Every rank: each optimizer, and its model, from its sidecar directory."""
+    for name, (model, optimizer) in zip(names, pairs):
+        _load_directory(path, name, model, optimizer)
+
+
+def restore_model(path: Path, model: nn.Module, names: Sequence[str], whole: Optional[Mapping[str, torch.Tensor]],
+                  strict: bool) -> None:
+    """Every rank: the model alone, from the first sidecar directory if PATH names one (and ``strict``), else
+    from PATH's whole state dict ``whole`` (only rank 0's is read)."""
+    if names and strict:
+        _load_directory(path, names[0], model, None)
+    elif whole is None:
+        raise ShardwiseError(f"{path} holds no model state dict")
+    else:
+        load_whole_state_dict(model, whole, strict)
+
+
+def load_whole_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool) -> None:
+    """Every rank: a whole-model state dict into the sharded ``model``; rank 0's ``state_dict`` is the one
+    read. ``strict=False``: keys the model lacks are ignored and the parameters the dict lacks keep their
+    values (one whole-model gather builds the merged dict on rank 0)."""
+    if not strict:
+        current = shardwise.full_state_dict(model)  # rank 0: the whole model; {} elsewhere
+        state_dict = {k: state_dict.get(k, v) for k, v in current.items()}
+    shardwise.load_full_state_dict(model, state_dict if dist.get_rank() == 0 else {})
+
+
+def _load_directory(path: Path, name: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
+    directory = sidecar_of(path) / name
+    try:
+        shardwise.load_checkpoint(directory, model, optimizer)
+    except ShardwiseError:
+        if not directory.is_dir():  # the load's own error names the directory; this one says what to do
+            raise ShardwiseError(
+                f"{path}: its shards and optimizer state are in {directory}, which does not exist. A checkpoint "
+                f"of the shardwise Lightning strategies is the file and its {SIDECAR_SUFFIX} directory: copy "
+                f"or move them together") from None
+        raise

@@ -1,0 +1,175 @@
+"""What DDP users ask of the wrapper, answered by the sharded model itself (engine/ddp_idioms.py), and
+``units="auto"`` on a model without repeated blocks.
+
+Accumulation written DDP's two ways (``with model.no_sync():`` as pytorch/examples and Accelerate write it,
+``model.require_backward_grad_sync = last_micro_step`` as nanoGPT writes it) trains exactly like one process
+on the global batch and communicates nothing in the micro-batches it skips; ``model.module`` is a named error
+that ``hasattr`` and unwrapping helpers read as absent. One spawn at world size 2.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shardwise
+from harness import error_of, run_distributed
+from models import GPT, Block, gpt_loss, tiny_gpt_config
+from parity_utils import (CollectiveCounter, assert_parity, make_batches, parity_check, run_scenarios, scenario,
+                          spawn_once)
+from shardwise.engine.ddp_idioms import NoModuleError
+
+VOCAB = tiny_gpt_config().vocab_size
+MICRO = 3
+
+
+def _accumulate(style: str, traffic: list):
+    """``MICRO`` micro-batches per step, synchronised only by the last backward, written as DDP users write
+    it; ``traffic`` gets the reduce-scatter / all-reduce calls of each skipped micro-batch."""
+
+    def step(model, batch, _step, take):
+        x, y = batch
+        n = x.shape[0] // MICRO
+        sharded = take(x) is not x
+        total = 0.0
+        for m in range(MICRO):
+            xm, ym = take(x[m * n:(m + 1) * n]), take(y[m * n:(m + 1) * n])
+            last = m == MICRO - 1
+            with CollectiveCounter() as counter:
+                if sharded and style == "no_sync" and not last:
+                    with model.no_sync():
+                        loss = gpt_loss(model, xm, ym) / MICRO
+                        loss.backward()
+                else:
+                    if sharded and style == "require_backward_grad_sync":
+                        model.require_backward_grad_sync = last  # nanoGPT: before the forward
+                    loss = gpt_loss(model, xm, ym) / MICRO
+                    loss.backward()
+            if sharded and not last:
+                traffic.append(counter.calls["reduce_scatter_into"] + counter.calls["all_reduce_sum"])
+            total = total + loss.detach()
+        return total
+
+    return step
+
+
+def _accumulation(style: str):
+    def run(rank, ws):
+        out = {}
+        for strategy in ("full_shard", "no_shard"):
+            traffic: list = []
+            torch.manual_seed(0)
+            batches = make_batches(3, VOCAB, global_batch=6 * MICRO)
+            metrics, model, _ = parity_check(GPT(tiny_gpt_config()), _accumulate(style, traffic), batches, rank, ws,
+                                             shard_kwargs=dict(units={Block}, strategy=strategy))
+            out[strategy] = dict(metrics=metrics, traffic=traffic, flag=model.require_backward_grad_sync)
+        return out
+
+    return run
+
+
+class WithModuleChild(nn.Module):
+    """A model whose own submodule is called ``module`` keeps it."""
+
+    def __init__(self):
+        super().__init__()
+        self.module = nn.Linear(4, 4)
+
+
+def _module_attribute(rank, ws):
+    torch.manual_seed(0)
+    model = shardwise.shard(GPT(tiny_gpt_config()), units={Block})
+
+    def unwrap(m):  # the recursive helper many training scripts carry (timm's, transformers' fallback)
+        while hasattr(m, "module"):
+            m = m.module
+        return m
+
+    try:
+        model.module
+        raised = None
+    except NoModuleError as e:
+        raised = (isinstance(e, AttributeError), isinstance(e, shardwise.ShardwiseError), str(e))
+    own = shardwise.shard(WithModuleChild(), units=None)
+    return dict(raised=raised, has=hasattr(model, "module"), getattr_default=getattr(model, "module", None) is None,
+                unwrapped=unwrap(model) is model, class_name=type(model).__name__, is_gpt=isinstance(model, GPT),
+                other_attr=error_of(lambda: model.no_such_thing), own_child=isinstance(own.module, nn.Linear),
+                flag=model.require_backward_grad_sync)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 11), nn.Linear(11, 3)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def _auto_units_without_blocks(rank, ws):
+    out = {}
+    for units in ("auto", None):
+        torch.manual_seed(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = shardwise.shard(MLP(), units=units)
+        from shardwise.engine.core.runtime import runtime_of
+
+        out[str(units)] = dict(units=len(runtime_of(model).units),
+                               said=[str(w.message) for w in caught if "units='auto'" in str(w.message)])
+    return out
+
+
+SCENARIOS = {
+    "no_sync": _accumulation("no_sync"),
+    "require_backward_grad_sync": _accumulation("require_backward_grad_sync"),
+    "module": _module_attribute,
+    "auto_units": _auto_units_without_blocks,
+}
+
+
+def _worker(rank, ws):
+    return run_scenarios(SCENARIOS, rank, ws)
+
+
+@spawn_once
+def report() -> list:
+    return run_distributed(_worker, 2)
+
+
+@pytest.mark.parametrize("style", ["no_sync", "require_backward_grad_sync"])
+def test_accumulation_written_as_for_ddp_trains_exactly_and_skips_communication(style):
+    for rank, res in enumerate(report()):
+        for strategy, r in scenario(res, style).items():
+            assert_parity(r["metrics"], label=f"rank {rank} {style} {strategy}")
+            assert r["traffic"] and set(r["traffic"]) == {0}, f"{style} {strategy}: gradients sent in skipped micro-batches"
+            assert r["flag"] is True
+
+
+def test_model_module_is_a_named_error_that_hasattr_reads_as_absent():
+    for res in report():
+        r = scenario(res, "module")
+        is_attribute_error, is_shardwise_error, text = r["raised"]
+        assert is_attribute_error and is_shardwise_error
+        assert "GPT.module" in text and "raw_model = model" in text, text
+        assert not r["has"] and r["getattr_default"] and r["unwrapped"], "unwrapping helpers stop at the model"
+        assert r["class_name"] == "GPT" and r["is_gpt"], "the class keeps its name (save_pretrained writes it)"
+        assert "AttributeError" in r["other_attr"] and "no_such_thing" in r["other_attr"]
+        assert r["own_child"], "a submodule called module stays reachable"
+        assert r["flag"] is True
+
+
+def test_units_auto_without_repeated_blocks_makes_one_unit_and_says_so():
+    for rank, res in enumerate(report()):
+        r = scenario(res, "auto_units")
+        assert r["auto"]["units"] == r["None"]["units"] == 1
+        assert r["None"]["said"] == []
+        if rank == 0:
+            (said,) = r["auto"]["said"]
+            assert "MLP has no repeated blocks" in said and "one unit" in said, said
+        else:
+            assert r["auto"]["said"] == []
