@@ -578,6 +578,8 @@ WHOLE_ROWS = [
     Row("weight decay groups by p.dim() >= 2 (nanoGPT)", decay_groups, whole_model=True),
     Row("EMA in plain tensors: e.mul_(d).add_(p)", plain_ema),
     Row("p.data = p.data * 0.99 before forward", train(before_forward=assign_data)),
+    # The closure runs inside step(): it must see the pieces (its zero_grad, its backward), the step the locals.
+    Row("SGD step(closure) (Lightning's automatic optimisation)", train(closure_opt=True)),
 ]
 TABLES = {"ROWS": ROWS, "WHOLE_ROWS": WHOLE_ROWS}
 

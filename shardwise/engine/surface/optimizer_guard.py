@@ -267,7 +267,7 @@ def verify_loaded(optimizer) -> None:
         guard.state = optimizer.state
 
 
-def before_step(optimizer, args, kwargs) -> None:
+def before_step(optimizer, args, kwargs):
     restore_swap(optimizer)
     guard = examine(optimizer)
     if guard.pieces and optimizer.state is not guard.state and not optimizer.__dict__.get("_shardwise_inner"):
@@ -275,6 +275,30 @@ def before_step(optimizer, args, kwargs) -> None:
         guard.state = optimizer.state
     if guard.swap is not None:
         optimizer_swap.swap_in(optimizer, guard.swap)
+        return _closure_outside_the_swap(optimizer, guard.swap, args, kwargs)
+    return None
+
+
+def _closure_outside_the_swap(optimizer, swap, args, kwargs):
+    """``step(closure)`` (Lightning's automatic optimisation, ``closure`` in any loop) computes the gradients
+    inside the step: the closure runs with the pieces back in the param groups (its ``zero_grad`` and
+    backward reach the pieces' gradients), and the swap is redone after it, with the fresh gradients. torch
+    lets a step pre-hook return new (args, kwargs)."""
+    # (``args`` starts with the optimizer itself: torch's wrapper hands the hooks step's own arguments)
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if closure is None:
+        return None
+
+    def run():
+        optimizer_swap.swap_out(optimizer, swap)
+        try:
+            return closure()
+        finally:
+            optimizer_swap.swap_in(optimizer, swap)
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": run}
+    return (args[0], run) + tuple(args[2:]), kwargs
 
 
 def after_step(optimizer, args, kwargs) -> None:
