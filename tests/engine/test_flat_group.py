@@ -175,6 +175,15 @@ def _kept_copy_agreement(strategy: str) -> set:
     return {("all_gather_into", 2 * 3, "torch.int64"), ("all_reduce_sum", len(GROUP_NUMELS), "torch.float32")}
 
 
+def _end_of_backward_exchange(checked: bool = True) -> set:
+    """Once per synced backward the ranks OR which parameters got a gradient (core/grad_usage.py): one int64
+    word (the model's 4 parameters) riding the end-of-backward fingerprint exchange (3 int64 per rank), or,
+    with checks off, one all-reduce of a count per parameter."""
+    if checked:
+        return {("all_gather_into", 2 * (3 + 1), "torch.int64")}
+    return {("all_reduce_sum", 4, "torch.int32")}
+
+
 @pytest.mark.parametrize("strategy,grad_numel,collectives", [
     # .grad views: the reduce-scatter's output (S), or the whole all-reduced gradient with its header room
     ("full_shard", "shard", {"all_gather_into", "reduce_scatter_into"}),
@@ -193,7 +202,7 @@ def test_gradient_buffers_per_strategy(strategy, grad_numel, collectives):
         numel = _padded(n, 2) // 2 if grad_numel == "shard" else _padded(n, ranks) + room
         assert grads == [(numel * 4, "torch.float32")], (n, grads)
     expected = {(op, _padded(n, ranks) + room, "torch.float32") for n in GROUP_NUMELS for op in collectives}
-    assert set(map(tuple, r["collectives"])) == expected | _kept_copy_agreement(strategy)
+    assert set(map(tuple, r["collectives"])) == expected | _kept_copy_agreement(strategy) | _end_of_backward_exchange()
 
 
 def test_mixed_precision_gathers_in_the_compute_dtype_and_reduces_in_the_reduce_dtype():
@@ -209,7 +218,7 @@ def test_mixed_precision_gathers_in_the_compute_dtype_and_reduces_in_the_reduce_
         assert set(map(tuple, r["collectives"])) == (
             {("all_gather_into", _padded(n, 2) + room, "torch.bfloat16") for n in GROUP_NUMELS}
             | {("reduce_scatter_into", _padded(n, 2) + room, reduce_dtype) for n in GROUP_NUMELS}
-            | _kept_copy_agreement("shard_optim_grad" if r is z2 else "full_shard"))
+            | _kept_copy_agreement("shard_optim_grad" if r is z2 else "full_shard") | _end_of_backward_exchange())
         assert r["grad"] == [[(_padded(n, 2) // 2 * 4, "torch.float32")] for n in GROUP_NUMELS]
     assert fs["after_backward"] == [0, 0]
     assert z2["after_backward"] == [(_padded(n, 2) + room) * 2 for n in GROUP_NUMELS]
@@ -219,7 +228,8 @@ def test_with_checks_off_no_buffer_has_room_for_a_fingerprint():
     r = scenario(report(2), "full_shard_unchecked")
     assert r["in_forward"] == [(_padded(n, 2) * 4, "torch.float32") for n in GROUP_NUMELS]
     assert set(map(tuple, r["collectives"])) == {(op, _padded(n, 2), "torch.float32") for n in GROUP_NUMELS
-                                                for op in ("all_gather_into", "reduce_scatter_into")}
+                                                for op in ("all_gather_into", "reduce_scatter_into")
+                                                } | _end_of_backward_exchange(checked=False)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
