@@ -23,6 +23,7 @@ from harness import run_distributed
 from parity_utils import assert_engine_clean, run_scenarios, scenario, spawn_once
 from shardwise.engine.base import collectives
 from shardwise.engine.checks.fingerprint import SLOT
+from shardwise.engine.surface.pieces import local_of
 from shardwise.engine.core.runtime import runtime_of
 
 GROUP_NUMELS = (25, 18)  # Linear(4, 5) and Linear(5, 3): weight + bias
@@ -89,7 +90,9 @@ def _one_step(strategy: str, mixed_precision=None, checks: bool = True):
             loss.backward()
         assert_engine_clean(model)
         out["after_backward"] = [_nbytes(g.gathered) for g in groups]
-        out["grad"] = [sorted({(_nbytes(p.grad), str(p.grad.dtype)) for p in g.shard_params}) for g in groups]
+        # (a gradient is a piece: its elements' storage, the reduced shard, is what it holds)
+        out["grad"] = [sorted({(_nbytes(local_of(p.grad)), str(p.grad.dtype)) for p in g.shard_params})
+                       for g in groups]
         out["collectives"] = sorted(rec.seen)
         torch.optim.SGD(model.parameters(), lr=0.1).step()
         out["after_step"] = [_nbytes(g.gathered) for g in groups]
