@@ -43,8 +43,10 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn.parallel import DistributedDataParallel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# Benchmark the checkout this script lives in, not whatever shardwise happens to be installed.
-sys.path.insert(0, str(REPO_ROOT))
+# Benchmark the checkout this script lives in, not whatever shardwise happens to be installed; a worker of a
+# run with --code imports shardwise from the checkout the driver names.
+CODE_ENV = "SHARDWISE_BENCH_CHECKOUT"
+sys.path.insert(0, os.environ.get(CODE_ENV, str(REPO_ROOT)))
 
 from shardwise.models import GPT, PRESETS, Block, GPTConfig  # noqa: E402  (needs the sys.path line above)
 
@@ -87,6 +89,8 @@ class RunSpec:
     # Keyword options for the implementation's setup function (e.g. strategy, prefetch, reduce_dtype), so
     # other benchmarks (bench/netns_bench.py) can vary them without a setup of their own. JSON-serialisable.
     options: dict[str, Any] = field(default_factory=dict)
+    code: str = ""  # --code LABEL of the shardwise checkout this run imports ("": this one)
+    count_elements: bool = False  # count what every collective moves (a counting wrapper of gloo, see below)
 
 
 @dataclass
@@ -95,6 +99,10 @@ class RunResult:
     repeat: int
     status: str  # "ok", "OOM-killed", "timeout after N s", "failed: <reason>"
     median_step_s: Optional[float] = None  # max over ranks of each rank's median measured step time
+    median_cpu_s: Optional[float] = None  # max over ranks of each rank's median CPU seconds per measured step
+    median_page_faults: Optional[float] = None  # max over ranks of each rank's median minor page faults per step
+    elements: dict[str, float] = field(default_factory=dict)  # rank 0, per measured step (--count-elements)
+    load_1min: float = 0.0  # the machine's 1-minute load average when the run started
     peak_rss_gb: Optional[float] = None  # max over ranks of ru_maxrss
     rss_gb_per_rank: list[float] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)  # rank 0, warmup steps included
@@ -186,6 +194,8 @@ def setup_ddp(model: nn.Module, spec: RunSpec, reduce_dtype: str | None = None) 
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     wrapped = DistributedDataParallel(model)
+    if spec.count_elements and reduce_dtype is None:  # torch's Python twin of the built-in all-reduce: counted
+        wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
     # DDP's equivalent of a reduction dtype is a communication hook that casts each bucket before all-reduce.
     hooks = {None: None, "bfloat16": default_hooks.bf16_compress_hook, "float16": default_hooks.fp16_compress_hook}
     if reduce_dtype not in hooks:
@@ -267,17 +277,21 @@ def train(spec: RunSpec, rank: int, meter: Meter | None = None) -> dict:
     batches = make_batches(spec, rank, model.config.vocab_size)
     step = SETUPS[spec.impl](model, spec, **spec.options)
 
-    times, losses = [], []
+    times, cpu, faults, losses = [], [], [], []
     for i, (x, y) in enumerate(batches):
         if i == spec.warmup:
             meter.start()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        start_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         loss = step(x, y)
         losses.append(loss.item())  # also makes sure the step has really finished
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)  # every thread of the rank: gloo's included
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start_faults)  # pages first touched
     measured = meter.stop()
     return {"step_times_s": times, "losses": losses, "median_step_s": statistics.median(times[spec.warmup :]),
-            **measured}
+            "median_cpu_s": statistics.median(cpu[spec.warmup :]),
+            "median_page_faults": statistics.median(faults[spec.warmup :]), **measured}
 
 
 def worker_main(spec: RunSpec, result_path: Path, meter: Meter | None = None) -> None:
@@ -287,6 +301,9 @@ def worker_main(spec: RunSpec, result_path: Path, meter: Meter | None = None) ->
     result: dict = {"rank": rank}
     try:
         # The driver enforces the wall-clock limit; this only keeps a lone survivor from waiting forever.
+        if spec.count_elements:
+            ElementCount.install()
+            meter = ElementCount(spec.steps)
         dist.init_process_group("gloo", timeout=timedelta(minutes=30))
         result.update(train(spec, rank, meter))
     except BaseException as exc:  # report every failure, including KeyboardInterrupt, then exit non-zero
@@ -302,6 +319,54 @@ def worker_main(spec: RunSpec, result_path: Path, meter: Meter | None = None) ->
             dist.destroy_process_group()
     if "error" in result:
         sys.exit(1)
+
+
+class ElementCount(Meter):
+    """Elements per measured step, by collective: every ``ProcessGroup`` method torch.distributed's Python API
+    calls is wrapped, so shardwise's, FSDP's and a DDP comm hook's collectives are counted alike (DDP's
+    built-in C++ all-reduce is not: under counting DDP runs torch's equivalent Python hook,
+    ``default_hooks.allreduce_hook``). ``wire``: what one rank sends for them under ring algorithms,
+    2 (N-1)/N of an all-reduce's elements and (N-1)/N of any other's. shardwise's control exchanges (a few
+    int64 each) count too."""
+
+    moved: dict[str, float] = {}
+    # ProcessGroup method -> (the collective's name, which argument holds the elements, wire factor)
+    METHODS = {"allreduce": ("all_reduce", 0, 2), "allgather": ("all_gather", 0, 1),
+               "all_gather_single": ("all_gather", 0, 1), "_allgather_base": ("all_gather", 0, 1),
+               "reduce_scatter": ("reduce_scatter", 1, 1), "reduce_scatter_single": ("reduce_scatter", 1, 1),
+               "_reduce_scatter_base": ("reduce_scatter", 1, 1), "alltoall_base": ("all_to_all", 1, 1),
+               "all_to_all_single": ("all_to_all", 1, 1), "broadcast": ("broadcast", 0, 1)}
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    @classmethod
+    def install(cls) -> None:
+        for method, (name, arg, factor) in cls.METHODS.items():
+            original = getattr(dist.ProcessGroup, method, None)
+            if original is None:
+                continue
+
+            def counted(group, *args, _orig=original, _name=name, _arg=arg, _factor=factor, **kwargs):
+                numel = sum(t.numel() for t in _flat_tensors(args[_arg]))
+                size = group.size()
+                cls.moved[_name] = cls.moved.get(_name, 0) + numel
+                cls.moved["wire"] = cls.moved.get("wire", 0) + numel * _factor * (size - 1) / size
+                return _orig(group, *args, **kwargs)
+
+            setattr(dist.ProcessGroup, method, counted)
+
+    def start(self) -> None:
+        ElementCount.moved = {}
+
+    def stop(self) -> dict:
+        return {"elements": {op: n / self.steps for op, n in ElementCount.moved.items()}}
+
+
+def _flat_tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for item in x for t in _flat_tensors(item)]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -364,11 +429,14 @@ def wait_for_ranks(procs: list[subprocess.Popen], timeout_s: float) -> tuple[set
         time.sleep(0.2)
 
 
-def launch_run(spec: RunSpec, repeat: int, world_size: int, timeout_s: float, log_dir: Path) -> RunResult:
-    """Start world_size fresh worker processes for one run, wait for them, and turn what they left into a result."""
-    run_dir = log_dir / f"{spec.impl}-r{repeat}"
+def launch_run(spec: RunSpec, repeat: int, world_size: int, timeout_s: float, log_dir: Path,
+               checkout: Optional[str] = None) -> RunResult:
+    """Start world_size fresh worker processes for one run, wait for them, and turn what they left into a result.
+    ``checkout``: the shardwise checkout the workers import (default: this one)."""
+    run_dir = log_dir / f"{spec.impl}{'-' + spec.code if spec.code else ''}-r{repeat}"
     run_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    load = os.getloadavg()[0]
     start = time.monotonic()
     procs: list[subprocess.Popen] = []
     for rank in range(world_size):
@@ -383,6 +451,7 @@ def launch_run(spec: RunSpec, repeat: int, world_size: int, timeout_s: float, lo
             # One thread per rank: set before torch loads so OpenMP/MKL pools are created that size.
             "OMP_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
+            **({CODE_ENV: checkout} if checkout else {}),
         }
         cmd = [sys.executable, __file__, "--worker", json.dumps(dataclasses.asdict(spec)),
                "--result", str(run_dir / f"rank{rank}.json")]
@@ -400,7 +469,7 @@ def launch_run(spec: RunSpec, repeat: int, world_size: int, timeout_s: float, lo
 
     reports = [json.loads(path.read_text()) if (path := run_dir / f"rank{r}.json").exists() else None
                for r in range(world_size)]
-    result = RunResult(impl=spec.impl, repeat=repeat, status="ok", wall_s=wall)
+    result = RunResult(impl=spec.impl, repeat=repeat, status="ok", wall_s=wall, load_1min=load)
     result.rss_gb_per_rank = [r["peak_rss_kib"] * 1024 / 1e9 for r in reports if r is not None]
     # A rank killed by a signal we did not send is, on a Linux box without swap, the OOM killer's doing.
     oom = [r for r, p in enumerate(procs) if p.returncode == -signal.SIGKILL and r not in killed]
@@ -421,6 +490,9 @@ def launch_run(spec: RunSpec, repeat: int, world_size: int, timeout_s: float, lo
         result.status = "failed: a rank exited 0 without writing its result"
     else:
         result.median_step_s = max(r["median_step_s"] for r in reports)
+        result.median_cpu_s = max(r["median_cpu_s"] for r in reports)
+        result.elements = reports[0].get("elements", {})
+        result.median_page_faults = max(r["median_page_faults"] for r in reports)
         result.peak_rss_gb = max(result.rss_gb_per_rank)
         result.step_times_s = reports[0]["step_times_s"]
         result.losses = reports[0]["losses"]
@@ -431,38 +503,53 @@ def min_med_max(values: list[float], fmt: str) -> str:
     return " / ".join(format(v, fmt) for v in (min(values), statistics.median(values), max(values)))
 
 
-def summarize(results: list[RunResult], impls: list[str]) -> str:
-    """The markdown table: one row per implementation, stats over its successful repeats."""
-    by_impl = {impl: [r for r in results if r.impl == impl] for impl in impls}
+def row_name(impl: str, code: str) -> str:
+    return f"{impl} [{code}]" if code else impl
 
-    def medians(impl: str) -> tuple[Optional[float], Optional[float]]:
-        ok = [r for r in by_impl.get(impl, []) if r.ok]
+
+def summarize(results: list[RunResult], rows: list[str], baseline: str = BASELINE_IMPL) -> str:
+    """The markdown table: one row per implementation (and checkout), stats over its successful repeats."""
+    by_row = {name: [r for r in results if r.impl == name] for name in rows}
+
+    def medians(name: str) -> tuple[Optional[float], Optional[float], Optional[float]]:
+        ok = [r for r in by_row.get(name, []) if r.ok]
         if not ok:
-            return None, None
-        return statistics.median(r.median_step_s for r in ok), statistics.median(r.peak_rss_gb for r in ok)
+            return None, None, None
+        return (statistics.median(r.median_step_s for r in ok), statistics.median(r.median_cpu_s for r in ok),
+                statistics.median(r.peak_rss_gb for r in ok))
 
-    base_time, base_rss = medians(BASELINE_IMPL)
-    header = ("| impl | step time s (min / median / max) | peak RSS per rank GB (min / median / max) "
-              f"| time vs {BASELINE_IMPL} | RSS vs {BASELINE_IMPL} | loss rank 0 (first → last step) |")
-    rows = [header, "|---|---|---|---|---|---|"]
-    for impl in impls:
-        runs = by_impl[impl]
+    base_time, base_cpu, base_rss = medians(baseline)
+    header = ("| impl | step time s (min / median / max) | CPU s per step per rank (min / median / max) "
+              f"| peak RSS per rank GB (min / median / max) | time vs {baseline} | CPU vs {baseline} "
+              f"| RSS vs {baseline} | load (1 min) | loss rank 0 (first → last step) |")
+    counted = any(r.elements for r in results)
+    if counted:
+        header += " elements moved per step (by collective) · wire elements per rank |"
+    lines = [header, "|---|---|---|---|---|---|---|---|---|" + ("---|" if counted else "")]
+    for name in rows:
+        runs = by_row[name]
         ok = [r for r in runs if r.ok]
         if not ok:
             reasons = sorted({r.status for r in runs})
-            rows.append(f"| {impl} | {'; '.join(reasons)} | — | — | — | — |")
+            lines.append(f"| {name} | {'; '.join(reasons)} | — | — | — | — | — | — | — |" + (" — |" if counted else ""))
             continue
-        time_med, rss_med = medians(impl)
+        time_med, cpu_med, rss_med = medians(name)
         times = min_med_max([r.median_step_s for r in ok], ".3f")
-        rss = min_med_max([r.peak_rss_gb for r in ok], ".2f")
+        cpus = min_med_max([r.median_cpu_s for r in ok], ".3f")
+        rss = min_med_max([r.peak_rss_gb for r in ok], ".3f")
         if len(ok) < len(runs):  # some repeats failed: say how many and why
             failed = sorted({r.status for r in runs if not r.ok})
             times += f" ({len(ok)}/{len(runs)} ok; {'; '.join(failed)})"
-        t_ratio = f"{time_med / base_time:.2f}" if base_time else "—"
-        m_ratio = f"{rss_med / base_rss:.2f}" if base_rss else "—"
+        ratios = [f"{v / b:.2f}" if b else "—" for v, b in ((time_med, base_time), (cpu_med, base_cpu), (rss_med, base_rss))]
+        load = min_med_max([r.load_1min for r in runs], ".1f")
         loss = f"{ok[0].losses[0]:.4f} → {ok[0].losses[-1]:.4f}"
-        rows.append(f"| {impl} | {times} | {rss} | {t_ratio} | {m_ratio} | {loss} |")
-    return "\n".join(rows)
+        row = f"| {name} | {times} | {cpus} | {rss} | {' | '.join(ratios)} | {load} | {loss} |"
+        if counted:
+            moved = ok[0].elements
+            by_op = ", ".join(f"{op} {n / 1e6:.1f}M" for op, n in sorted(moved.items()) if op != "wire")
+            row += f" {by_op} · {moved.get('wire', 0) / 1e6:.1f}M |"
+        lines.append(row)
+    return "\n".join(lines)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -478,6 +565,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--timeout", type=float, default=1200.0, help="wall-clock limit per run, seconds")
+    p.add_argument("--baseline", default=BASELINE_IMPL, help="the row the ratio columns divide by")
+    p.add_argument("--code", default="", help="LABEL=CHECKOUT[,...]: run the shardwise rows once per checkout "
+                                              "(alternated), labelled; the other rows once per repeat")
+    p.add_argument("--count-elements", action="store_true",
+                   help="count the elements every collective moves per step (a counting wrapper of gloo)")
     p.add_argument("--json", type=Path, default=None, help="write the raw per-run numbers here")
     p.add_argument("--log-dir", type=Path, default=None, help="keep each rank's output here (default: a temp dir, deleted)")
     # Internal: the driver re-runs this file with these to start one rank.
@@ -505,7 +597,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     block_size = GPTConfig(**PRESETS[args.model]).block_size
     default_t, default_b = DEFAULT_SHAPES.get(args.model, (block_size, FALLBACK_BATCH))
     spec_kw = dict(model=args.model, seq_len=args.seq_len or default_t, batch=args.batch or default_b,
-                   steps=args.steps, warmup=args.warmup, seed=args.seed, lr=args.lr)
+                   steps=args.steps, warmup=args.warmup, seed=args.seed, lr=args.lr, count_elements=args.count_elements)
     if spec_kw["seq_len"] > block_size:
         sys.exit(f"--seq-len {spec_kw['seq_len']} exceeds {args.model}'s block_size {block_size}")
 
@@ -515,16 +607,25 @@ def main(argv: Optional[list[str]] = None) -> None:
           f"{args.warmup} warmup + {args.steps} measured steps, {args.repeats} repeat(s), 1 thread per rank, gloo",
           flush=True)
 
+    codes = [tuple(c.split("=", 1)) for c in args.code.split(",") if c] if args.code else []
+    # (impl, code label, checkout): every shardwise row once per checkout, the others once
+    plan = [(impl, label, str(Path(path).resolve())) for impl in args.impls
+            for label, path in (codes if codes and impl.startswith("shardwise") else [("", "")])]
     results: list[RunResult] = []
     for repeat in range(args.repeats):
-        for impl in args.impls:  # interleaved: A, B, C, A, B, C, ...
-            res = launch_run(RunSpec(impl=impl, **spec_kw), repeat, args.world_size, args.timeout, log_dir)
+        for impl, label, checkout in plan:  # interleaved: A, B, C, A, B, C, ...
+            res = launch_run(RunSpec(impl=impl, code=label, **spec_kw), repeat, args.world_size, args.timeout, log_dir,
+                             checkout or None)
+            res.impl = row_name(impl, label)
             results.append(res)
-            detail = (f"{res.median_step_s:.3f} s/step, peak RSS {res.peak_rss_gb:.2f} GB" if res.ok else res.status)
-            print(f"  repeat {repeat + 1}/{args.repeats} {impl:>9}: {detail}  ({res.wall_s:.0f} s wall)", flush=True)
+            detail = (f"{res.median_step_s:.3f} s/step, {res.median_cpu_s:.3f} CPU s, "
+                      f"{res.median_page_faults / 1e3:.0f}k page faults, peak RSS {res.peak_rss_gb:.3f} GB"
+                      if res.ok else res.status)
+            print(f"  repeat {repeat + 1}/{args.repeats} {res.impl:>9}: {detail}  (load {res.load_1min:.1f}, "
+                  f"{res.wall_s:.0f} s wall)", flush=True)
 
     print()
-    print(summarize(results, args.impls))
+    print(summarize(results, [row_name(impl, label) for impl, label, _ in plan], args.baseline))
 
     if args.json is not None:
         payload = {"config": {**spec_kw, "world_size": args.world_size, "repeats": args.repeats, "impls": args.impls},

@@ -1,8 +1,9 @@
-"""Soak test for a clean exit: many short two-process jobs of a library script (shard, a few steps of
-training with SGD), half ending with ``dist.destroy_process_group()`` and half never calling it, each
-launched with torchrun; counts the runs that abort ("terminate called ...", a negative exit code) or fail.
+"""Soak test for a clean exit: many short jobs of a library script (shard, a few steps of training with
+SGD), half ending with ``dist.destroy_process_group()`` and half never calling it; counts the runs that
+abort ("terminate called ...", SIGABRT), hang (still running at ``--timeout``: every rank's Python stacks
+are printed into the log first) or fail otherwise.
 
-    python bench/exit_soak.py --runs 200 --world-size 2         # 200 of each kind, one job at a time
+    python bench/exit_soak.py --runs 200 --world-size 3 --log soak.log   # 400 runs, one job at a time
 
 Run it from a checkout; every job imports the ``shardwise`` of this checkout. The kinds alternate, so a
 machine that gets busier during the soak loads both alike. Exit status 1 if any run failed.
@@ -13,18 +14,21 @@ this watches for.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 JOB = r'''
-import sys
+import faulthandler, signal, sys
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the soak asks a hung rank for its stacks
 import torch, torch.distributed as dist, torch.nn as nn
 import shardwise
 
@@ -75,20 +79,37 @@ def one_run(script: Path, kind: str, strategy: str, world_size: int, timeout_s: 
         cmds = [([sys.executable, str(script), kind, strategy],
                  dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                       RANK=str(r), LOCAL_RANK=str(r))) for r in range(world_size)]
-    procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c, e in cmds]
-    outs, codes = [], []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=timeout_s)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            return False, "timed out"
-        codes.append(p.returncode)
+    logs = [tempfile.TemporaryFile("w+") for _ in cmds]  # files, not pipes: a full pipe would block a rank
+    procs = [subprocess.Popen(c, env=e, stdout=log, stderr=subprocess.STDOUT, text=True) for (c, e), log in zip(cmds, logs)]
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        hung = [i for i, p in enumerate(procs) if p.poll() is None]
+        for i in hung:
+            procs[i].send_signal(signal.SIGUSR1)  # faulthandler: every thread's stack, then killed
+        time.sleep(3)
+        for p in procs:
+            p.kill()
+        outs = _read(logs)
+        stacks = "".join(f"--- rank {i} ---\n{outs[i][-4000:]}" for i in hung)
+        return False, f"hang: processes {hung} still running after {timeout_s:.0f} s; their stacks:\n{stacks}"
+    outs = _read(logs)
+    codes = [p.returncode for p in procs]
     out = "".join(outs)
     bad = any(codes) or "terminate called" in out or "Aborted" in out
-    return not bad, (f"exit codes {codes}: " + out[-2000:]) if bad else ""
+    kind = "abort" if (-signal.SIGABRT in codes or "terminate called" in out or "Aborted" in out) else "error"
+    return not bad, (f"{kind}: exit codes {codes}: " + out[-2000:]) if bad else ""
+
+
+def _read(logs) -> list[str]:
+    outs = []
+    for log in logs:
+        log.seek(0)
+        outs.append(log.read())
+        log.close()
+    return outs
 
 
 def _interrupt(*_) -> None:
@@ -106,6 +127,7 @@ def main() -> int:
     script = Path(os.environ.get("TMPDIR", "/tmp")) / f"shardwise_exit_soak_{os.getpid()}.py"
     script.write_text(JOB)
     counts = {"destroy": [0, 0], "no_destroy": [0, 0]}  # kind -> [runs, failures]
+    causes: collections.Counter = collections.Counter()  # abort / hang / error
     t0 = time.monotonic()
     # Stopped early (SIGTERM, Ctrl-C): the counts so far are still printed.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -117,6 +139,7 @@ def main() -> int:
                 counts[kind][0] += 1
                 if not ok:
                     counts[kind][1] += 1
+                    causes[detail.split(":", 1)[0]] += 1
                     print(f"run {i} {kind}: FAILED {detail.splitlines()[0] if detail else ''}", flush=True)
                     if args.log:
                         with args.log.open("a") as f:
@@ -129,7 +152,8 @@ def main() -> int:
     finally:
         script.unlink(missing_ok=True)
     print("result: " + ", ".join(f"{k} {f} failed of {n}" for k, (n, f) in counts.items())
-          + f" at world size {args.world_size} ({time.monotonic() - t0:.0f} s, load {os.getloadavg()[0]:.1f})")
+          + f" at world size {args.world_size}; failures by cause: {dict(causes) or 'none'} "
+          f"({time.monotonic() - t0:.0f} s, load {os.getloadavg()[0]:.1f})")
     return 1 if any(f for _, f in counts.values()) else 0
 
 

@@ -51,14 +51,20 @@ def batch(step: int, rank: int, b: int, t: int, vocab: int, device) -> tuple[tor
     return x[:, :-1].to(device), x[:, 1:].to(device)
 
 
-def parity(device: torch.device, steps: int, **shard_options) -> float:
+PARITY_CONFIG = GPTConfig(vocab_size=509, block_size=64, n_layer=3, n_head=4, n_embd=68)
+
+
+def parity(device: torch.device, steps: int, optimizer=None, **shard_options) -> float:
+    """Worst relative error of the global loss (every step) and of every parameter (at the end) against one
+    process on the global batch, SGD with momentum; ``optimizer``: the sharded model's, made from it (default:
+    torch's SGD)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = GPTConfig(vocab_size=509, block_size=64, n_layer=3, n_head=4, n_embd=68)
+    cfg = PARITY_CONFIG
     torch.manual_seed(0)
     ref = GPT(cfg).to(device)
     model = copy.deepcopy(ref)
     shardwise.shard(model, units={Block}, device=device, **shard_options)
-    opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+    opt = optimizer(model) if optimizer is not None else torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.3, momentum=0.9)
     worst = 0.0
     for step in range(steps):

@@ -18,15 +18,7 @@ import time
 
 import torch
 
-
-def current_rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        return int(next(x for x in f if x.startswith("VmHWM:")).split()[1]) * 1024
+from proc_rss import current_rss, peak_rss  # this script's folder is first on sys.path
 
 
 def main() -> None:

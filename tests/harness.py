@@ -22,7 +22,8 @@ import torch.multiprocessing as mp
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60
 
 
-def _worker(rank: int, world_size: int, init_file: str, out_dir: str, timeout_s: float, fn, args, env) -> None:
+def _worker(rank: int, world_size: int, init_file: str, out_dir: str, timeout_s: float, fn, args, env,
+            backend: str) -> None:
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
@@ -30,7 +31,11 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, timeout_s:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+    if backend != "gloo":  # the NCCL-rules test mode's process groups (tests/nccl_rules.py)
+        import nccl_rules
+
+        nccl_rules.register()
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     result: Any = None
     error = None
@@ -49,15 +54,16 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, timeout_s:
 
 
 def run_distributed(fn: Callable, world_size: int, *args, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
-                    env: dict | None = None, allow_errors: bool = False) -> list:
+                    env: dict | None = None, allow_errors: bool = False, backend: str = "gloo") -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return per-rank results.
 
-    With ``allow_errors=True`` a rank that raised yields a ``RankError`` in its slot instead of failing."""
+    With ``allow_errors=True`` a rank that raised yields a ``RankError`` in its slot instead of failing.
+    ``backend``: the default group's; ``nccl_rules.BACKEND`` runs the NCCL-rules test mode's."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, init_file, tmp, timeout_s, fn, args, env or {}),
+            args=(world_size, init_file, tmp, timeout_s, fn, args, env or {}, backend),
             nprocs=world_size,
             join=False,
             start_method="spawn",

@@ -380,17 +380,19 @@ class CollectiveCounter:
 
     def __enter__(self) -> "CollectiveCounter":
         from shardwise.engine.base import collectives
+        from shardwise.engine.base.device import control_group
         for name in self.NAMES:
             original = getattr(collectives, name)
             self._saved[name] = original
 
             def counted(*args, _name=name, _orig=original, **kwargs):
-                # all_gather/reduce_scatter: (output, input, ...); all_reduce: (tensor, ...); the group may
-                # come by keyword (collectives.run_agreed), so the arguments are passed on as they came
-                sent = args[1] if _name == "reduce_scatter_into" else args[0]
-                header = kwargs.get("header")  # the in-band fingerprint is not data
-                self.calls[_name] += 1
-                self.numel[_name] += sent.numel() - (header.numel() if header is not None else 0)
+                # all_gather/reduce_scatter: (output, input, group, ...); all_reduce: (tensor, group, ...); the
+                # group may come by keyword (collectives.run_agreed), so the arguments are passed on as they came
+                group = kwargs["group"] if "group" in kwargs else args[2 if _name != "all_reduce_sum" else 1]
+                if group is None or group is not control_group():  # the ranks' agreements are not data
+                    sent = args[1] if _name == "reduce_scatter_into" else args[0]
+                    self.calls[_name] += 1
+                    self.numel[_name] += sent.numel()
                 return _orig(*args, **kwargs)
 
             setattr(collectives, name, counted)

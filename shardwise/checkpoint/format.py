@@ -83,10 +83,7 @@ def rank_file_name(rank: int, world_size: int) -> str:
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's bytes in row-major order, without a copy when it is already contiguous on the CPU."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
+    t = t.detach().cpu().contiguous()  # (.cpu() of a host tensor is the tensor itself)
     if t.numel() == 0:
         return memoryview(b"")
     # Through uint8 so that dtypes numpy lacks (bfloat16, float8) work too.

@@ -28,6 +28,7 @@ import torch
 
 from shardwise.checkpoint.files import open_inside
 from shardwise.checkpoint.format import SAFETENSORS_DTYPES
+from shardwise.engine.base.device import on_host
 from shardwise.errors import ShardwiseError
 
 MAX_HEADER_BYTES = 100 * 2**20  # the limit safetensors itself enforces
@@ -167,7 +168,7 @@ class SafetensorsFile:
         info = self.info(key)
         numel = info.nbytes // info.dtype.itemsize if info.dtype.itemsize else 0
         stop = start + out.numel()
-        if not 0 <= start <= stop <= numel or out.dtype != info.dtype or not out.is_contiguous() or out.device.type != "cpu":
+        if not 0 <= start <= stop <= numel or out.dtype != info.dtype or not out.is_contiguous() or not on_host(out):
             raise ShardwiseError(f"{self.path}: cannot read elements [{start}, {stop}) of tensor {key!r} "
                                  f"(shape {list(info.shape)}, {info.dtype}) into a {out.dtype} tensor")
         if stop > start:

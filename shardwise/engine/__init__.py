@@ -23,8 +23,8 @@ forward, backward, ``shardwise.clip_grad_norm_``, ``optimizer.step()``). The ste
 10. ``base/torch_internals.py`` the torch internals the step relies on, one function each
 11. ``base/nested.py``          the tensors inside a unit's outputs (to hook them for backward)
 12. ``base/strategy.py``        the process groups and the data-parallel size
-13. ``checks/group_fingerprint.py`` how a flat group's collectives are fingerprinted ...
-14. ``checks/fingerprint.py``   ... and compared across ranks
+13. ``base/device.py``          the control group: the gloo host group that carries the ranks' agreements
+14. ``checks/fingerprint.py``   the ranks agree on every collective before it is issued (once per phase)
 15. ``surface/shard_param.py``  the parameter factory: a ``Piece`` over a local parameter, what the core asks
 16. ``surface/grad_sink.py``    the gradient sink: ``.grad`` pieces, hooks, direct gradients
 17. ``surface/pieces.py``       ``Piece``: the whole tensor to user code (its table: piece_ops.py), ``local_only``

@@ -3,6 +3,7 @@ is in grad_norm.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Callable, Optional, Union
 
@@ -95,6 +96,12 @@ def shard(
     pgs = resolve_groups(strategy, mesh)
     compute_device = _resolve_device(model, device, pgs)
     plan = build_plan(model, units, pgs.shard_size)
+    if checks_enabled():  # first: every collective after it is sized by the plan
+        check_same_plan(_describe_plan(plan, strategy, pgs))
+    # Our own groups over the same ranks: a user's collective can never meet ours at the wire (device.py).
+    world = dist.group.WORLD if dist.get_world_size() > 1 else None
+    shard_group, replicate_group, world_group = devices.own_groups([pgs.shard, pgs.replicate, world])
+    pgs = dataclasses.replace(pgs, shard=shard_group, replicate=replicate_group, world=world_group)
     if units == "auto" and len(plan.units) == 1 and dist.get_rank() == 0:
         warnings.warn(f"shardwise.shard(units='auto'): {type(model).__name__} has no repeated blocks (no Hugging Face "
                       f"_no_split_modules, no nn.ModuleList), so the whole model is one unit, gathered whole for "
@@ -112,8 +119,6 @@ def shard(
                           checker=runtime.checker, ids=(ui, gi))
         for ui, up in enumerate(plan.units) for gi, gp in enumerate(up.groups)}
     warn_if_backward_inputs_unseen()  # a torch that cannot show us backward(inputs=...) says so once
-    if runtime.checker is not None:  # (first: the comparison of initial weights has the plan's size)
-        check_same_plan(_describe_plan(plan, strategy, pgs), _world_if_many())
     groups = list(flat_groups.values())
     initial_weights.fill(model, groups, compute_device, sync_module_states, param_init_fn, runtime.checker)
     _retire_originals(groups)
@@ -128,7 +133,7 @@ def shard(
     if broadcast_buffers and pgs.data_parallel_size > 1:
         sync = BufferBroadcast(model, runtime)
         if sync.buffers:
-            runtime.before_forward.append(sync)
+            runtime.buffers = sync
     return model
 
 
@@ -168,10 +173,6 @@ def _install_hooks(model: nn.Module, runtime: ModelRuntime, activation_checkpoin
         # transformers' generate() keeps ranks stepping together (synced_gpus) for models it sees as
         # FSDP-managed: otherwise a rank that reaches EOS first stops calling forward and the others hang.
         m._is_fsdp_managed_module = True
-
-
-def _world_if_many():
-    return dist.group.WORLD if dist.get_world_size() > 1 else None
 
 
 def _describe_plan(plan, strategy: Strategy, pgs) -> str:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise.engine.base import collectives
+from shardwise.engine.base.device import control_group
 from shardwise.errors import ShardwiseError
 from shardwise.engine.base.torch_internals import autograd_engine_running
 from shardwise.engine.core.unit import Frame, FrameKind, Phase
@@ -73,19 +74,18 @@ def summon_full_params(module: nn.Module, writeback: bool = True) -> Iterator[No
             _refuse_rank_local_edits(rt, fulls)
             with torch.no_grad():
                 for g, full in fulls:
-                    # ZeRO-1/2: no flag to set; the next top-level entry's one verdict on kept copies
-                    # (ModelRuntime.agree_kept_copies) compares them with the shards and sees this write.
+                    # ZeRO-1/2: no flag to set; the write moves the shard's version counter, which the next
+                    # top-level entry's one verdict on kept copies (ModelRuntime.agree_kept_copies) reads.
                     g.shard.copy_(full.narrow(0, g.shard_start, g.plan.shard_numel))
 
 
 def _refuse_rank_local_edits(rt, fulls) -> None:
     """Each rank writes back only its own slice of the full parameters, so an edit made on some ranks only
     would change only those ranks' slices: a model no rank ever held. The ranks compare two digests of every
-    parameter first (one all-reduce of the maximum of +d and -d per stage) and, if any differs, every rank
-    raises naming it and nothing is written back."""
-    stages = [g for g in (rt.pgs.shard, rt.pgs.replicate) if g is not None]
+    parameter first (one all-reduce of the maximum of +d and -d, control traffic: host tensors on the control
+    group) and, if any differs, every rank raises naming it and nothing is written back."""
     specs = [(g, s) for g, _ in fulls for s in g.plan.params]
-    if not stages or not specs:
+    if rt.pgs.data_parallel_size == 1 or not specs:
         return
     with torch.no_grad():
         digests = []
@@ -94,11 +94,10 @@ def _refuse_rank_local_edits(rt, fulls) -> None:
                 x = full.narrow(0, s.offset, s.numel).to(torch.float64)
                 digests += [x.sum(), (x * torch.arange(1, s.numel + 1, dtype=torch.float64, device=x.device)).sum()]
         mine = torch.nan_to_num(torch.stack(digests), nan=1.5e300).cpu()  # NaN equals NaN here
-        both = torch.cat([mine, -mine]).to(rt.device)
-        for group in stages:  # writeback=True on one rank only is named, not paired with another collective
-            collectives.run_agreed(rt.checker, "summon_full_params", dist.all_reduce, both, op=dist.ReduceOp.MAX,
-                                   group=group, what="the comparison of summon_full_params edits")
-        both = both.cpu()
+        both = torch.cat([mine, -mine])
+        # writeback=True on one rank only is named, not paired with another collective
+        collectives.run_agreed(rt.checker, "summon_full_params", dist.all_reduce, both, op=dist.ReduceOp.MAX,
+                               group=control_group(), what="the comparison of summon_full_params edits")
         n = mine.numel()
         differs = (both[:n] != -both[n:]).view(-1, 2).any(dim=1).tolist()
     bad = [s.fqn for (_, s), d in zip(specs, differs) if d]

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from shardwise.engine import materialize
 from shardwise.engine.base import collectives
-from shardwise.engine.base.device import communication_device
+from shardwise.engine.base.device import control_group
 from shardwise.engine.core.flat_group import FlatGroup
 from shardwise.errors import ShardwiseError
 
@@ -77,7 +77,7 @@ def fill(model: nn.Module, groups: list[FlatGroup], device: torch.device, sync_m
     move the buffers to ``device``. ``sync_module_states``: True broadcasts rank 0's, False refuses ranks
     that differ, None (not given) takes rank 0's where they differ and says so."""
     if sync_module_states:
-        materialize.fill_from_rank0(model, groups, device)
+        materialize.fill_from_rank0(model, groups, device, _world(groups))
         return
     is_meta = any(p.is_meta for p in model.parameters())
     tensors = Tensors(model, groups)
@@ -136,7 +136,7 @@ def _take_rank0_for_meta_ranks(model, groups, device, sync_module_states, metas:
             f"shard(sync_module_states=False): {ranks} built the model on the meta device while rank 0 "
             f"built it for real, so their parameters would be uninitialised; leave sync_module_states unset or "
             f"pass True to take rank 0's values")
-    materialize.fill_from_rank0(model, groups, device)
+    materialize.fill_from_rank0(model, groups, device, _world(groups))
     _say(f"{ranks} built the model on the meta device: took rank 0's parameters and buffers "
          f"(shard(sync_module_states=True) says this is intended)")
 
@@ -158,7 +158,7 @@ def _take_rank0_where_differing(groups, device, sync_module_states, tensors: Ten
     for i in differing:
         if i >= n_params:
             name, module, key = tensors.buffers[i - n_params]
-            collectives.run_and_wait(dist.broadcast, module._buffers[key], src=0,
+            collectives.run_and_wait(dist.broadcast, module._buffers[key], src=0, group=_world(groups),
                                      what=f"rank 0's buffer {name!r}")
     _say(f"the ranks' initial weights differ in {listing}: took rank 0's, as DistributedDataParallel does (seed "
          f"every rank alike before building the model, or pass shard(sync_module_states=True))")
@@ -181,13 +181,13 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _exchange(values: list[int], checker, what: str) -> list[list[int]]:
-    """Every rank's ``values`` (the same length everywhere: the plans agree), in rank order."""
+    """Every rank's ``values`` (the same length everywhere: the plans agree), in rank order: control traffic,
+    host tensors on the control group (base/device.py)."""
     world = dist.get_world_size()
-    device = communication_device()
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+    mine = torch.tensor(values, dtype=torch.int64)
+    everyone = torch.empty(world * mine.numel(), dtype=torch.int64)
     collectives.run_agreed(checker, "initial_weights", collectives.all_gather_into, everyone, mine,
-                           group=dist.group.WORLD, what=what)
+                           group=control_group(), what=what)
     return everyone.view(world, -1).tolist()
 
 
@@ -198,8 +198,8 @@ def _rank0_rng(device: torch.device, checker) -> Iterator[None]:
     cuda = device.type == "cuda"
     own = [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if cuda else [])
     sizes = [s.numel() for s in own]
-    states = torch.cat(own).to(communication_device())
-    collectives.run_agreed(checker, "rng_state", dist.broadcast, states, src=0, group=dist.group.WORLD,
+    states = torch.cat([s.cpu() for s in own])  # (host tensors on the control group: base/device.py)
+    collectives.run_agreed(checker, "rng_state", dist.broadcast, states, src=0, group=control_group(),
                            what="rank 0's RNG state for the meta-device init in shard()")
     if dist.get_rank() == 0:
         yield
@@ -214,6 +214,11 @@ def _rank0_rng(device: torch.device, checker) -> Iterator[None]:
         torch.set_rng_state(own[0])
         if cuda:
             torch.cuda.set_rng_state(own[1], device)
+
+
+def _world(groups: list[FlatGroup]):
+    """The model's world data group (shardwise's own: base/device.py), which carries rank 0's values."""
+    return groups[0].pgs.world if groups else None
 
 
 def _buffers_to(model: nn.Module, device: torch.device) -> None:

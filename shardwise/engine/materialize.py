@@ -142,22 +142,24 @@ def _still_unwritten(module: nn.Module, mod_name: str, placeholders: dict) -> li
 def fill_group_from_rank0(
     group: FlatGroup, device: torch.device, value_of: Callable[[ParamSpec], torch.Tensor]
 ) -> None:
-    """Rank 0 packs ``value_of(spec)`` for every parameter of the group into one zero-padded flat buffer,
-    broadcasts it, and every rank keeps its slice. One group's full size is the peak extra memory.
-    ``value_of`` is only called on rank 0."""
+    """Rank 0 packs ``value_of(spec)`` for every parameter of the group into one zero-padded flat buffer on
+    the compute device, broadcasts it over the model's world data group, and every rank keeps its slice. One
+    group's full size is the peak extra memory. ``value_of`` is only called on rank 0."""
     full = torch.empty(group.plan.padded_numel, dtype=group.plan.dtype, device=device)
     if dist.get_rank() == 0:
         full.zero_()  # the padding is broadcast into the last rank's shard, which keeps it zero
         for spec in group.plan.params:
             full.narrow(0, spec.offset, spec.numel).copy_(value_of(spec).detach().reshape(-1))
-    collectives.run_and_wait(dist.broadcast, full, src=0, what=f"rank 0's values of unit {group.plan.unit_fqn or '<root>'!r}")
+    collectives.run_and_wait(dist.broadcast, full, src=0, group=group.pgs.world,
+                             what=f"rank 0's values of unit {group.plan.unit_fqn or '<root>'!r}")
     with torch.no_grad():
         group.shard.copy_(full.narrow(0, group.shard_start, group.plan.shard_numel))
     resize_storage(full, 0)  # freed now, though collectives keep the finished work a while
 
 
-def fill_from_rank0(model: nn.Module, groups: list[FlatGroup], device: torch.device) -> None:
-    """Broadcast rank 0's parameters and buffers; other ranks may hold anything of the right shapes (or meta)."""
+def fill_from_rank0(model: nn.Module, groups: list[FlatGroup], device: torch.device, world) -> None:
+    """Broadcast rank 0's parameters and buffers over ``world`` (the model's world data group); other ranks may
+    hold anything of the right shapes (or meta)."""
     for g in groups:
         fill_group_from_rank0(g, device, lambda spec: spec.refs[0].module._parameters[spec.refs[0].name])
     for module in model.modules():
@@ -167,5 +169,5 @@ def fill_from_rank0(model: nn.Module, groups: list[FlatGroup], device: torch.dev
             if b.is_meta or b.device != device:
                 b = torch.empty_like(b, device=device) if b.is_meta else b.to(device)
                 module._buffers[n] = b
-            collectives.run_and_wait(dist.broadcast, b, src=0, what=f"rank 0's buffer {n!r}")
+            collectives.run_and_wait(dist.broadcast, b, src=0, group=world, what=f"rank 0's buffer {n!r}")
 

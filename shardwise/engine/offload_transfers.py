@@ -33,6 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
+from shardwise.engine.base import collectives
 from shardwise.engine.base.device import copy_streams
 from shardwise.engine.base.cpu_offload import CPUOffload
 
@@ -66,7 +67,9 @@ class OffloadTransfers:
         threaded = offload.worker_thread if offload.worker_thread is not None else self.streams.asynchronous
         self._executor: Optional[ThreadPoolExecutor] = None
         if threaded:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="shardwise-offload")
+            # It runs beside the training thread: no collective may be issued from it (collectives.py).
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="shardwise-offload",
+                                                initializer=collectives.forbid_collectives_here)
             weakref.finalize(self, self._executor.shutdown, wait=False)
         self.window = offload.h2d_ahead
         self.consumer = None  # takes every landing (optim.offload.OffloadOptimizer); None: end_backward does

@@ -122,4 +122,5 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
             if not isinstance(e, tuple):
                 if is_rank0:
                     e.copy_(state_dict[k])
-                collectives.run_and_wait(dist.broadcast, e, src=0, what=f"rank 0's buffer {k!r}")
+                collectives.run_and_wait(dist.broadcast, e, src=0, group=rt.pgs.world,
+                                         what=f"rank 0's buffer {k!r}")

@@ -47,6 +47,7 @@ from torch import nn
 
 from shardwise.engine.core.runtime import STATE_ATTR
 from shardwise.engine.checks import agree
+from shardwise.engine.base.device import on_host
 from shardwise.engine.base.host_memory import release_freed_host_memory
 from shardwise.errors import ShardwiseError
 from shardwise.engine.hf_init import hf_param_init_fn, is_hf_model
@@ -95,6 +96,7 @@ def load_pretrained(model: nn.Module, directory: os.PathLike | str, *, rename: R
         gather_absmax(to_quantise)
         agree.agreed(lambda: _quantise_on_load(directory, to_quantise), what)
     release_freed_host_memory()  # the reads' and the quantiser's freed temporaries (engine/base/host_memory.py)
+    runtime.shards_written()  # the reads move no version counter: ZeRO-1/2 refill their kept copies
     if unexpected and agree.rank() == 0:
         warnings.warn(f"{directory}: {len(unexpected)} tensor(s) in the files are not used by "
                       f"{type(model).__name__}: {', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}",
@@ -145,7 +147,7 @@ def _quantise_on_load(directory, targets: list[QuantTarget]) -> None:
 def _read_piece(weights: PretrainedWeights, target: Target, lo: int, dst: torch.Tensor) -> None:
     """Elements ``[lo, lo + dst.numel())`` of the target's file tensor into ``dst`` (a piece of a shard)."""
     info = weights.info(target.key)
-    if dst.dtype == info.dtype and dst.device.type == "cpu" and dst.is_contiguous():
+    if dst.dtype == info.dtype and on_host(dst) and dst.is_contiguous():
         weights.read_into(target.key, lo, dst)  # no temporary at all
     else:
         tmp = torch.empty(dst.numel(), dtype=info.dtype)

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 import torch
 from shardwise.engine.checks import agree
-from shardwise.engine.base import collectives
 from shardwise.errors import ShardwiseError
 from shardwise.hf.weight_files import PretrainedWeights
 from shardwise.quant.codebooks import code_table, dynamic_map
@@ -261,11 +260,10 @@ def local_absmax(weights: PretrainedWeights, t: QuantTarget) -> None:
 def gather_absmax(targets: list[QuantTarget]) -> None:
     """Every rank gets every quantise-on-load target's whole absmax vector (collective; same order everywhere)."""
     for t in targets:
-        if agree.is_distributed():
-            whole = torch.empty(t.absmax.numel() * agree.world_size(), dtype=torch.float32, device=agree.comm_device())
-            collectives.all_gather_into(whole, t.absmax.to(whole.device), None, async_op=False,
-                                        what=f"gathering the absmax of {t.name} to quantise it on load")
-            t.absmax = whole.cpu()
+        if agree.is_distributed():  # host values read from the files: control traffic (engine/base/device.py)
+            whole = torch.empty(t.absmax.numel() * agree.world_size(), dtype=torch.float32)
+            agree.all_gather_host(whole, t.absmax, what=f"gathering the absmax of {t.name} to quantise it on load")
+            t.absmax = whole
         t.absmax = t.absmax[: t.module.layout.blocks]
 
 

@@ -65,18 +65,23 @@ def assign_owners(costs: list[int], size: int) -> tuple[int, ...]:
 
 def exchange_and_orthogonalize(local: list[torch.Tensor], shapes: list[tuple[int, int]], plan: ExchangePlan,
                                rank: int, group, orthogonalize_owned: OrthogonalizeOwned,
-                               dtype: torch.dtype) -> list[torch.Tensor]:
-    """``local[j]``: this rank's 1-D piece of matrix j. Returns this rank's pieces (in ``dtype``) of
-    ``orthogonalize_owned(js, whole matrices js)``, computed on the owners. ``group`` None: one rank."""
+                               dtype: torch.dtype, device: torch.device, checker=None) -> list[torch.Tensor]:
+    """``local[j]``: this rank's 1-D piece of matrix j. Returns this rank's pieces (in ``dtype``, on ``local``'s
+    device) of ``orthogonalize_owned(js, whole matrices js)``, computed on the owners. ``group`` None: one
+    rank. ``device``: the model's compute device, where the exchange runs whatever ``local``'s device (host
+    pieces under CPU offload: data groups move device tensors, device.py). ``checker``: the model's; the
+    ranks agree on the exchange before it (a step on one rank alone is named, not paired)."""
+    home = local[0].device if local else device
     if group is None:
         whole = [piece.to(dtype).view(shape) for piece, shape in zip(local, shapes)]
         return [o.reshape(-1) for o in orthogonalize_owned(list(range(len(local))), whole)]
     size = len(plan.pieces[0])
-    device = local[0].device if local else torch.device("cpu")
     send_splits, recv_splits = plan.send_splits(rank), plan.recv_splits(rank)
     order = [j for d in range(size) for j in plan.owned_by(d)]  # destination-major, matrix order within
-    send = torch.cat([local[j].to(dtype) for j in order]) if order else torch.empty(0, dtype=dtype, device=device)
+    send = (torch.cat([local[j].to(dtype) for j in order]) if order else torch.empty(0, dtype=dtype)).to(device)
     recv = torch.empty(sum(recv_splits), dtype=dtype, device=device)
+    if checker is not None:  # the second all-to-all follows from the first on every rank
+        checker.check_now("muon_exchange", sum(sum(p) for p in plan.pieces))
     collectives.run_and_wait(dist.all_to_all_single, recv, send, recv_splits, send_splits, group=group,
                              what=f"Muon's all-to-all of {len(local)} matrices to their owners")
 
@@ -101,6 +106,7 @@ def exchange_and_orthogonalize(local: list[torch.Tensor], shapes: list[tuple[int
     mine = torch.empty(sum(send_splits), dtype=dtype, device=device)
     collectives.run_and_wait(dist.all_to_all_single, mine, back_send, send_splits, recv_splits, group=group,
                              what=f"Muon's all-to-all of {len(local)} orthogonalised matrices back from their owners")
+    mine = mine.to(home)
     out: list[torch.Tensor] = [None] * len(local)  # type: ignore[list-item]
     at = 0
     for j in order:

@@ -159,12 +159,14 @@ class Muon(torch.optim.Optimizer):
         found = {}
         for g in self.param_groups:
             for p in g["params"]:
-                groups = layout_of(p)[0].pgs
-                found.setdefault(id(groups.shard), groups)
+                flat = layout_of(p)[0]
+                found.setdefault(id(flat.pgs.shard), flat)
         if len(found) > 1:
             raise ShardwiseError("Muon: the parameters come from models sharded over different process groups; "
                                  "build one optimizer per sharded model")
-        return next(iter(found.values()), None)
+        flat = next(iter(found.values()), None)
+        self._device, self._checker = (flat.device, flat.checker) if flat is not None else (None, None)
+        return flat.pgs if flat is not None else None
 
     # ---- the step ----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -219,7 +221,7 @@ class Muon(torch.optim.Optimizer):
             pieces = exchange.exchange_and_orthogonalize(
                 [matrices[j][2] for j in js], [shapes[j] for j in js], sub, rank, groups.shard,
                 lambda ks, whole, js=js: _orthogonalize_batched(whole, [matrices[js[k]][1] for k in ks]),
-                getattr(torch, dtype_name))
+                getattr(torch, dtype_name), self._device, self._checker)
             for j, piece in zip(js, pieces):
                 p, group, _ = matrices[j]
                 lr = group["lr"]

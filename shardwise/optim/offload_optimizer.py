@@ -132,17 +132,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return
         if self.max_grad_norm is not None:
             self._norm_terms[group] = grad_norm_terms(group_grads(group), self.norm_type)
-        elif self.steps_in_backward and group in self._inner and self._all_collectives_confirmed():
+        elif self.steps_in_backward and group in self._inner:
+            # Every collective that produced this gradient was agreed before it was issued (fingerprint.py):
+            # the group may step now.
             self._step_group(group)
             self._stepped.add(group)
-        # otherwise optimizer.step() steps it, after backward's end compared every rank's collectives
-
-    def _all_collectives_confirmed(self) -> bool:
-        """Whether every collective so far was checked against the other ranks: in band (gloo), or compared
-        out of band already. Under native collectives (NCCL) the fingerprints of this backward are compared
-        only at its end, so a unit stepped before that could move its weights on a divergence."""
-        checker = self._runtime.checker
-        return checker is None or not checker.log
 
     def _step_group(self, group) -> None:
         inner = self._inner[group]

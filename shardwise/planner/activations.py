@@ -16,7 +16,7 @@ import logging
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -82,20 +82,24 @@ class ActivationProfile:
     unit_input: list[int]  # per non-root unit: bytes of its tensor inputs (what checkpointing keeps)
     method: str = "measured: forward on meta tensors"
 
-    def peak(self, checkpointing: bool) -> int:
+    def peak(self, checkpointing: bool, transient: int = 0, recomputed: Sequence[int] = ()) -> int:
         """Activation bytes at their peak, backward working set included.
 
         Without checkpointing: everything saved by the end of the forward, plus the gradient flowing into
         the widest saved activation and the one flowing out of it. With checkpointing, the larger of the
         end of the forward (each unit's inputs + what is saved outside units + that working set) and the
         recompute of the largest unit in backward (every unit's input + that unit's saved tensors; the
-        loss and head tensors are gone by then, and the unit's own backward frees as it goes)."""
+        loss and head tensors are gone by then, and the unit's own backward frees as it goes).
+        ``transient``: bytes briefly alive beside them in forward and backward (a 4-bit matrix dequantised
+        for its matmul); ``recomputed``: per unit, bytes its recompute keeps for its backward instead (its
+        dequantised 4-bit weights), beside its saved tensors."""
         working = 2 * self.largest_saved
         if not (checkpointing and self.unit_saved):
-            return self.saved_bytes + working
+            return self.saved_bytes + working + transient
         outside = self.saved_bytes - sum(self.unit_saved)
         inputs = sum(self.unit_input)
-        return max(outside + inputs + working, inputs + max(self.unit_saved))
+        recompute = max(saved + (recomputed[i] if recomputed else 0) for i, saved in enumerate(self.unit_saved))
+        return max(outside + inputs + working + transient, inputs + recompute)
 
 
 def measure_activations(spec, model: nn.Module, unit_modules: list[nn.Module], batch_size: int, seq_len: int,

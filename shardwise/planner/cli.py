@@ -136,6 +136,8 @@ def render(p: MemoryPlan) -> str:
            f"1/{p.shard_size} each)",
            f"  {'largest dequantised matrix':<34}{fmt_bytes(p.dequantised_weight_bytes):>14}   (in activations)"]
           if p.quantised_shard_bytes else []),
+        *([f"  {'recomputed unit, dequantised':<34}{fmt_bytes(p.recomputed_weight_bytes):>14}   (in activations: "
+           f"kept for its backward)"] if p.recomputed_weight_bytes else []),
         f"  {'gradient shards':<34}{fmt_bytes(p.grad_shard_bytes):>14}",
         f"  {'optimizer shards (AdamW)':<34}{fmt_bytes(p.optim_shard_bytes):>14}",
         f"  {'largest unit, gathered':<34}{fmt_bytes(p.gathered_unit_bytes):>14}",

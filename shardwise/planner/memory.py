@@ -20,7 +20,8 @@ What is counted, per rank (see engine/core/flat_group.py for the buffer lifetime
                       the optimizer step too
     grad reduction    one unit's unsharded gradients (compute dtype) + the gradient flats alive at once
                       (reduce dtype: the one being packed and those still in flight)
-    scratch           gloo's temporary copy of the buffer a collective works on (CPU only)
+    scratch           what a gloo collective allocates beside its buffer (CPU only): the all-reduce ring's
+                      chunks, or a whole copy under gloo's native all-gather / reduce-scatter
     activations       what autograd saves in forward + the backward working set (two of the largest)
 
 With ``lora_r`` the meta model is wrapped by peft exactly as the trainer wraps it (``shardwise.hf.lora``): the
@@ -41,6 +42,7 @@ from typing import Optional
 
 import torch
 
+from shardwise.engine.base import flags
 from shardwise.engine.core.flat_group import gathered_aliases_shard
 from shardwise.engine.base.mixed_precision import MixedPrecision, named_policy
 from shardwise.engine.base.plan import FlatGroupPlan, ShardingPlan, build_plan
@@ -50,6 +52,10 @@ from shardwise.planner.activations import ActivationProfile, measure_activations
 
 MASTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ADAM_STATES = 2  # exp_avg and exp_avg_sq, each the size and dtype of the shard
+# What a gloo all-reduce allocates beside its buffer: measured (VmHWM, torch 2.13) 0.4 MiB for 1 MiB buffers
+# and 1.8-1.9 MiB for 4-64 MiB ones, at 2 and 4 ranks, fp32 and bf16. gloo's native all-gather and
+# reduce-scatter allocate the whole buffer again (+64 MiB for 64 MiB).
+GLOO_RING_SCRATCH = 2 * 2**20
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,7 @@ class PlanInputs:
     seq_len: int = 128
     dtype: str = "fp32"  # master weights
     ranks_per_node: int = 8  # the shard group size of the hybrid strategies
-    device: str = "cuda"  # cuda (NCCL) or cpu (gloo, whose collectives allocate a full-size scratch buffer)
+    device: str = "cuda"  # cuda (NCCL) or cpu (gloo, whose collectives allocate scratch buffers)
     auto_wrap: str = "transformer_based_wrap"
     transformer_layer_cls_to_wrap: tuple[str, ...] = ()
     lora_r: int = 0  # > 0: peft LoRA adapters of this rank, the base frozen (no gradients, no optimizer state)
@@ -100,7 +106,7 @@ class MemoryPlan:
     root_unit_bytes: int
     gathered_bytes: int  # everything gathered at the peak (units above, or all of them without resharding)
     grad_reduce_bytes: int
-    collective_scratch_bytes: int  # gloo's temporary copy of the buffer a collective works on (CPU only)
+    collective_scratch_bytes: int  # what a gloo collective allocates beside its buffer (CPU only)
     activation_bytes: int  # saved by autograd at the end of forward + the backward working set
     activation_method: str
     backward_peak_bytes: int  # see [Note: three peaks]: the larger of early and end of backward
@@ -116,6 +122,8 @@ class MemoryPlan:
     offload_host_bytes: Optional[int] = None  # ... and the host memory it needs per rank
     quantised_shard_bytes: int = 0  # --load-in-4bit: this rank's 4-bit base bytes (in param_shard_bytes)
     dequantised_weight_bytes: int = 0  # --load-in-4bit: the largest matrix dequantised for its matmul
+    recomputed_weight_bytes: int = 0  # ... with activation checkpointing: the largest unit's dequantised
+    # weights, kept from its recompute to its backward
 
 
 # ---- the model on meta ---------------------------------------------------------------------------------
@@ -245,11 +253,17 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
     def reduce_bytes(unit: _UnitBytes) -> int:
         return unit.grads + (unit.grad_flat if alive else 0) + pending * widest.grad_flat
 
-    # gloo (CPU) stages every all-gather / reduce-scatter through a temporary buffer the size of the full
-    # flat buffer (measured: +32 MiB for a 32 MiB reduce-scatter at 2 and 4 ranks); its worker runs one
-    # collective at a time. NCCL works in place.
+    # gloo (CPU): its worker runs one collective at a time. The engine carries all-gather and reduce-scatter
+    # as all-reduces in the buffers it holds anyway, whose ring needs at most GLOO_RING_SCRATCH; gloo's own
+    # all-gather / reduce-scatter (SHARDWISE_GLOO_NATIVE_COLLECTIVES) stage the whole buffer in a temporary
+    # one. NCCL works in place.
+    native = flags.enabled(flags.GLOO_NATIVE_COLLECTIVES)
+
     def scratch_for(gathered_bytes: int, flat_bytes: int) -> int:
-        return 0 if inputs.device != "cpu" or shard_size == 1 else max(gathered_bytes, flat_bytes)
+        if inputs.device != "cpu" or shard_size == 1:
+            return 0
+        largest_buffer = max(gathered_bytes, flat_bytes)
+        return largest_buffer if native else min(largest_buffer, GLOO_RING_SCRATCH)
 
     scratch = scratch_for(max(largest, root.gathered), max(widest.grad_flat, root.grad_flat))
     prof = _activations(inputs, cache, spec, model, plan, policy)
@@ -264,14 +278,18 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
                        root_reduce=reduce_bytes(root) + scratch_for(0, root.grad_flat or widest.grad_flat),
                        largest_trainable_shard=max((_stored_bytes(g, g.shard_numel) for g in plan.groups()
                                                     if g.requires_grad), default=0))
-    activations = prof.peak(inputs.activation_checkpointing)
-    quantised_shard = dequantised = uncounted = 0
-    if inputs.load_in_4bit:  # one matrix dequantised at a time, in forward, recompute and backward alike
+    quantised_shard = dequantised = recomputed = uncounted = 0
+    if inputs.load_in_4bit:
         from shardwise.planner.quantized import quantised_figures
 
         compute_itemsize = (policy.param_dtype or MASTER_DTYPES[inputs.dtype]).itemsize
-        quantised_shard, dequantised, uncounted = quantised_figures(model, plan, compute_itemsize)
-        activations += dequantised
+        q = quantised_figures(model, plan, compute_itemsize, inputs.device)
+        quantised_shard, dequantised, uncounted = q.shard_bytes, q.matrix_bytes, q.uncounted
+        recomputed = max(q.recomputed_bytes, default=0) if inputs.activation_checkpointing else 0
+        activations = prof.peak(inputs.activation_checkpointing, transient=dequantised,
+                                recomputed=q.recomputed_bytes)
+    else:
+        activations = prof.peak(inputs.activation_checkpointing)
     backward_peak, step_peak = _peaks(inputs, buffers, activations, prof)
     total = max(backward_peak, step_peak)
     offloaded = param_shard + grad_shard + optim_shard if inputs.cpu_offload else 0
@@ -291,7 +309,8 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
         device_bytes_offloaded=offloaded, total_bytes=total, lora_r=inputs.lora_r,
         offload_device_bytes=total if inputs.cpu_offload else None,
         offload_host_bytes=offloaded if inputs.cpu_offload else None,
-        quantised_shard_bytes=quantised_shard, dequantised_weight_bytes=dequantised)
+        quantised_shard_bytes=quantised_shard, dequantised_weight_bytes=dequantised,
+        recomputed_weight_bytes=recomputed)
 
 
 def _activations(inputs: PlanInputs, cache: dict, spec, model, plan: ShardingPlan,

@@ -15,9 +15,9 @@ The forward is the one the supported families share (their eager experts loop, i
 Qwen2-MoE, Qwen3-MoE, OLMoE and Mixtral under transformers 5.24): the same routing mask, the same token
 gather, ``act(gate) * up``, the routing weight, ``index_add_``. Only the matmuls differ: gate and up are two
 4-bit matmuls instead of one on the fused ``[2I, H]`` weight (the same values), each through
-``Dequant4bitLinear`` (no gradient to the base; the input gradient dequantises again in backward). The
-family's ``experts_implementation`` setting (grouped_mm, batched_mm) is ignored: those need every expert's
-weight at once.
+``Dequant4bitLinear`` (no gradient to the base; the input gradient uses the recompute's weight or
+dequantises again). The family's ``experts_implementation`` setting (grouped_mm, batched_mm) is ignored:
+those need every expert's weight at once.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch import nn
 
 from shardwise.errors import ShardwiseError
 from shardwise.quant.format import BLOCKSIZE, Layout4bit, quantize_4bit
-from shardwise.quant.linear import STORED, Dequant4bitLinear, QuantLinear
+from shardwise.quant.linear import STORED, Dequant4bitLinear, DequantTally, QuantLinear
 
 # Experts classes whose eager forward is the loop below (checked: transformers 5.24), and the names their
 # checkpoints give expert e's (gate, up, down) weights: ``<experts>.{e}.<name>.weight``.
@@ -59,6 +59,7 @@ class QuantExpertMatrices(nn.Module):
         for name, nbytes in self.layout.nbytes().items():
             self.register_parameter(name, nn.Parameter(
                 torch.zeros(num_experts, nbytes, dtype=torch.uint8, device=device), requires_grad=False))
+        self.dequant_tallies = [DequantTally() for _ in range(num_experts)]
 
     def stored(self, expert: int) -> list[torch.Tensor]:
         """Expert ``expert``'s stored bytes (views of row ``expert``), in ``STORED`` order."""
@@ -80,7 +81,7 @@ class QuantExpertMatrices(nn.Module):
 
     def linear(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """``x @ W_expert^T``, W dequantised inside the matmul (forward, and backward for dX only)."""
-        return Dequant4bitLinear.apply(x, self.layout, None, *self.stored(expert))
+        return Dequant4bitLinear.apply(x, self.layout, None, self.dequant_tallies[expert], *self.stored(expert))
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, shape={list(self.layout.shape)}, {self.layout.quant_type}, "
@@ -186,5 +187,25 @@ def quantize_experts(model: nn.Module, skip: tuple[str, ...] = (), quant_type: s
     return replaced
 
 
-# The modules whose parameters (``bias`` excepted) are 4-bit stored bytes, each with a ``layout``.
+# The modules whose parameters (``bias`` excepted) are 4-bit stored bytes, each with a ``layout`` and one
+# ``DequantTally`` per matrix in ``dequant_tallies``.
 QUANT_MODULE_TYPES = (QuantLinear, QuantExpertMatrices)
+
+
+def dequantization_counts(model: nn.Module) -> dict[str, int]:
+    """How many times each 4-bit matrix of ``model`` was dequantised for a matmul since it was built or
+    ``reset_dequantization_counts``: by module name, ``name[e]`` for expert ``e``'s matrix."""
+    counts = {}
+    for name, m in model.named_modules():
+        if isinstance(m, QuantExpertMatrices):
+            counts.update({f"{name}[{e}]": t.count for e, t in enumerate(m.dequant_tallies)})
+        elif isinstance(m, QuantLinear):
+            counts[name] = m.dequant_tallies[0].count
+    return counts
+
+
+def reset_dequantization_counts(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, QUANT_MODULE_TYPES):
+            for t in m.dequant_tallies:
+                t.count = 0

@@ -2,10 +2,13 @@
 parameters, so a sharded engine splits its bytes (scales included) like any frozen parameter, and the
 weight is dequantised one matrix at a time inside the matmul.
 
-The weight is never kept dequantised: ``Dequant4bitLinear`` dequantises it in forward, multiplies and drops
-it, and dequantises it again in backward for the input gradient only (the base gets no gradient). Autograd
-saves the stored bytes, which the engine re-gathers into the same storage before backward; under activation
-checkpointing the recompute dequantises once more.
+The weight is never kept dequantised past its backward: ``Dequant4bitLinear`` dequantises it in forward,
+multiplies and drops it, and dequantises it again in backward for the input gradient only (the base gets no
+gradient). Autograd saves the stored bytes, which the engine re-gathers into the same storage before
+backward. Under activation checkpointing the recompute (a forward inside backward) dequantises, and its
+backward, which follows at once, uses that same weight: twice per weight per step either way, the
+recompute's weights alive for one unit's backward, as a bf16 base's gathered unit is. Each module's
+``DequantTally`` counts its dequantisations (``dequantization_counts``).
 
 ``in_features`` / ``out_features`` mirror nn.Linear's, which is what peft needs to put LoRA adapters around
 it (register ``{QuantLinear: peft.tuners.lora.Linear}`` as a custom module). The adapters then keep their
@@ -21,29 +24,59 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.autograd_state import autograd_engine_running
 from shardwise.quant.format import BLOCKSIZE, Layout4bit, quantize_4bit
 
 STORED = ("weight", "absmax", "nested_absmax", "offset")
 
 
+class DequantTally:
+    """How many times one 4-bit matrix has been dequantised for a matmul (forward, recompute, backward)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self):
+        self.count = 0
+
+
+def _dequantize(layout: Layout4bit, stored, dtype: torch.dtype, tally: DequantTally) -> torch.Tensor:
+    tally.count += 1
+    return layout.dequantize(dict(zip(STORED, stored)), dtype)
+
+
+def _stand_in(w: torch.Tensor) -> torch.Tensor:
+    """What an ordinary forward saves in place of its weight: a one-element tensor expanded to the weight's
+    shape (every stride 0, so ``backward`` tells it from a real weight), with its dtype and device, since
+    non-reentrant checkpointing compares what the forward and the recompute save."""
+    return w.new_empty(()).expand(w.shape)
+
+
 class Dequant4bitLinear(torch.autograd.Function):
-    """y = x W^T + b with W dequantised from its bytes in forward and again in backward (dX only)."""
+    """y = x W^T + b with W dequantised from its bytes in forward; dX only in backward, with the recompute's
+    W (activation checkpointing) or W dequantised again."""
 
     @staticmethod
-    def forward(ctx, x, layout: Layout4bit, bias, *stored):
-        w = layout.dequantize(dict(zip(STORED, stored)), x.dtype)
+    def forward(ctx, x, layout: Layout4bit, bias, tally: DequantTally, *stored):
+        w = _dequantize(layout, stored, x.dtype, tally)
         y = F.linear(x, w, None if bias is None else bias.to(x.dtype))
-        ctx.layout = layout
-        ctx.save_for_backward(*stored)
+        ctx.layout, ctx.tally = layout, tally
+        # A forward inside backward is a recompute, whose backward comes right after it: keep W for it. An
+        # ordinary forward keeps only the bytes (W for every layer until backward would be a bf16 base's
+        # memory). Non-reentrant checkpointing hands backward what the recompute saved, not the forward's
+        # ctx attributes, so the choice travels in the saved tensor itself.
+        recompute = ctx.needs_input_grad[0] and autograd_engine_running()
+        ctx.save_for_backward(*stored, w if recompute else _stand_in(w))
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         grad_x = None
         if ctx.needs_input_grad[0]:
-            w = ctx.layout.dequantize(dict(zip(STORED, ctx.saved_tensors)), grad_y.dtype)
+            *stored, w = ctx.saved_tensors
+            if not any(w.stride()):
+                w = _dequantize(ctx.layout, stored, grad_y.dtype, ctx.tally)
             grad_x = grad_y @ w
-        return (grad_x, None, None) + (None,) * len(STORED)
+        return (grad_x, None, None, None) + (None,) * len(STORED)
 
 
 class QuantLinear(nn.Module):
@@ -62,6 +95,7 @@ class QuantLinear(nn.Module):
                                                        requires_grad=False))
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
+        self.dequant_tallies = [DequantTally()]  # one per matrix, as QuantExpertMatrices has
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, quant_type: str = "nf4", double_quant: bool = True,
@@ -89,7 +123,8 @@ class QuantLinear(nn.Module):
         return self.layout.dequantize(self.stored(), dtype or self.layout.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return Dequant4bitLinear.apply(x, self.layout, self.bias, *(getattr(self, n) for n in STORED))
+        return Dequant4bitLinear.apply(x, self.layout, self.bias, self.dequant_tallies[0],
+                                       *(getattr(self, n) for n in STORED))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

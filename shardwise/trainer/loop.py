@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import shardwise
-from shardwise.engine.base.collectives import run_and_wait
+from shardwise.engine.checks import agree
 from shardwise.engine.base.device import compute_device
 from shardwise.engine.base.mixed_precision import named_policy
 from shardwise.engine.core.runtime import runtime_of
@@ -140,9 +140,8 @@ def evaluate(model: nn.Module, spec: ModelSpec, sampler: Sampler, batches: int, 
         total[0] += lm_loss(spec, model, x.to(device), y.to(device), reduction="sum").double()
         total[1] += loss_targets([y])
     model.train()
-    if dist.get_world_size() > 1:
-        run_and_wait(dist.all_reduce, total, what="the sum of the validation loss over ranks")
-    return float(total[0] / total[1])
+    loss_sum, count = agree.all_reduce_host(total.tolist(), what="the sum of the validation loss over ranks")
+    return loss_sum / count
 
 
 def check_model_fits_data(cfg: TrainConfig, spec: ModelSpec, max_token: int) -> None:

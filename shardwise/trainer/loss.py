@@ -18,10 +18,9 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.engine.base.collectives import run_and_wait
+from shardwise.engine.checks import agree
 from shardwise.hf.model_spec import ModelSpec, lm_loss
 from shardwise.trainer.data import IGNORE_INDEX
 
@@ -33,10 +32,8 @@ def loss_targets(targets: Sequence[torch.Tensor]) -> int:
 
 def global_loss_targets(targets: Sequence[torch.Tensor], device: torch.device) -> int:
     """``loss_targets`` summed over every rank (collective when distributed)."""
-    count = torch.tensor([loss_targets(targets)], dtype=torch.int64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        run_and_wait(dist.all_reduce, count, what="the count of loss targets over ranks")
-    return int(count.item())
+    (count,) = agree.all_reduce_host([loss_targets(targets)], what="the count of loss targets over ranks")
+    return int(count)
 
 
 def micro_batch_loss(spec: ModelSpec, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *,

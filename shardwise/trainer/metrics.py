@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from shardwise.engine.base.collectives import run_and_wait
+from shardwise.engine.checks import agree
 
 GIB = 1024**3
 
@@ -128,10 +128,8 @@ class MetricsLogger:
         sys.stdout.flush()
 
     def _reduce(self, values: list[float], op) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.world > 1:
-            run_and_wait(dist.all_reduce, t, op=op, what="the metrics' reduction over ranks")
-        return t.tolist()
+        # Control traffic: host numbers on shardwise's control group, no device tensor (engine/base/device.py).
+        return agree.all_reduce_host(values, op, what="the metrics' reduction over ranks")
 
     def log(self, step: int, *, grad_norm: float, lr: float, val_loss: Optional[float] = None) -> Optional[dict]:
         """Reduce and emit one record (collective). Returns the record on rank 0."""

@@ -1,25 +1,25 @@
-"""The collectives layer (``shardwise/engine/collectives.py``): on gloo, all-gather and reduce-scatter run as
-one all-reduce (see its Note); this checks that substitution's layout against references.
+"""The collectives layer (``shardwise/engine/base/collectives.py``): on gloo a reduce-scatter, and an
+all-gather above ``GLOO_NATIVE_ALL_GATHER_MAX`` elements, run as one all-reduce (see its Note: the wire);
+this checks the substitution's layout against references and that the choice is made by size.
 
 Each rank's data is a function of its rank, so every rank can compute the expected results itself; gloo's
 native collectives (a second process group, created with ``SHARDWISE_GLOO_NATIVE_COLLECTIVES=1``) must give
-the same data. The fingerprint header, when one is passed, sits after the data (after the N gathered chunks,
-after the N gradient chunks, at the end of an all-reduced tensor), is ``ranks x SLOT`` elements, and arrives
-as every rank's slot side by side. World size 3 with shards of 1, 5 and 7 elements: nothing divides evenly.
+the same data. World size 3 with shards of 1, 5 and 7 elements: nothing divides evenly. Collectives from the
+offload worker's thread are refused (two threads would issue in different orders on different ranks).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_distributed
+from harness import error_of, run_distributed
 from parity_utils import run_scenarios, scenario, spawn_once
 from shardwise.engine.base import collectives
-from shardwise.engine.checks.fingerprint import SLOT, CollectiveChecker
 
 WS = 3
 SIZES = (1, 5, 7)
@@ -44,74 +44,66 @@ def _native_group():
     os.environ["SHARDWISE_GLOO_NATIVE_COLLECTIVES"] = "1"
     try:
         group = dist.new_group()
-        assert not collectives.gathers_by_all_reduce(group)
+        assert not collectives.runs_as_all_reduce("reduce_scatter", group, torch.device("cpu"), 10**9)
     finally:
         del os.environ["SHARDWISE_GLOO_NATIVE_COLLECTIVES"]
     return group
 
 
 def _data_layout(rank, ws):
-    """All-gather and reduce-scatter, substituted and native, against the references, every size and dtype."""
+    """All-gather and reduce-scatter, substituted and native, against the references, every size and dtype.
+    The substituted all-gather is forced by lowering the size above which it applies."""
     world, native = dist.group.WORLD, _native_group()
-    assert collectives.gathers_by_all_reduce(world)
     out = {}
-    for dtype in DTYPES:
-        for n in SIZES:
-            want = torch.cat([_shard_of(r, n, dtype) for r in range(ws)])
-            want_chunk = sum(_flat_of(r, n, ws, dtype) for r in range(ws)).narrow(0, rank * n, n)
-            for name, group in (("all_reduce", world), ("native", native)):
-                gathered = torch.full((n * ws,), 99, dtype=dtype)  # stale contents must not leak through
-                collectives.all_gather_into(gathered, _shard_of(rank, n, dtype), group, async_op=False)
-                chunk = torch.full((n,), 99, dtype=dtype)
-                work = collectives.reduce_scatter_into(chunk, _flat_of(rank, n, ws, dtype), group, async_op=True)
-                collectives.wait(work)
-                out[f"{name}/{dtype}/{n}"] = (torch.equal(gathered, want), torch.equal(chunk, want_chunk))
-    return out
-
-
-def _headers(rank, ws):
-    """Each collective with a fingerprint header from a real checker: where the header lands, its size, and
-    that every rank's slot arrives (verify_stamp accepts the table)."""
-    checker = CollectiveChecker(["unit"], lambda: "forward")
-    ranks, n, out = list(range(ws)), 5, {}
-
-    def stamp(op):
-        return checker.stamp(op, 0, 0, n * ws, ranks, rank, torch.float32, torch.device("cpu"))
-
-    s = stamp("all_gather")
-    gathered = torch.full((n * ws + s.header.numel(),), 99.0)
-    collectives.all_gather_into(gathered, _shard_of(rank, n, torch.float32), dist.group.WORLD, async_op=False,
-                                header=s.header)
-    checker.verify_stamp(s, gathered)
-    out["all_gather"] = dict(header=s.header.numel(), data=torch.equal(gathered[:n * ws], torch.cat(
-        [_shard_of(r, n, torch.float32) for r in ranks])))
-
-    s = stamp("reduce_scatter")
-    flat = torch.cat([_flat_of(rank, n, ws, torch.float32), torch.full((s.header.numel(),), 99.0)])
-    chunk = torch.empty(n)
-    collectives.reduce_scatter_into(chunk, flat, dist.group.WORLD, async_op=False, header=s.header)
-    checker.verify_stamp(s, flat)
-    want = sum(_flat_of(r, n, ws, torch.float32) for r in ranks)
-    out["reduce_scatter"] = dict(header=s.header.numel(), data=torch.equal(chunk, want.narrow(0, rank * n, n)),
-                                 flat_is_the_whole_sum=torch.equal(flat[:n * ws], want))
-
-    s = stamp("all_reduce")
-    tensor = torch.cat([_flat_of(rank, n, ws, torch.float32), torch.full((s.header.numel(),), 99.0)])
-    collectives.all_reduce_sum(tensor, dist.group.WORLD, header=s.header)
-    checker.verify_stamp(s, tensor)
-    out["all_reduce"] = dict(header=s.header.numel(), data=torch.equal(tensor[:n * ws], want))
-
-    # Without a header the buffer must be exactly the data: room left unfilled would be summed garbage.
+    saved = collectives.GLOO_NATIVE_ALL_GATHER_MAX
     try:
-        collectives.all_gather_into(torch.empty(n * ws + 1), _shard_of(rank, n, torch.float32), dist.group.WORLD)
-        out["room_without_header"] = None
-    except ValueError as e:
-        out["room_without_header"] = str(e)
+        for dtype in DTYPES:
+            for n in SIZES:
+                want = torch.cat([_shard_of(r, n, dtype) for r in range(ws)])
+                want_chunk = sum(_flat_of(r, n, ws, dtype) for r in range(ws)).narrow(0, rank * n, n)
+                for name, group, limit in (("all_reduce", world, 0), ("native", native, saved)):
+                    collectives.GLOO_NATIVE_ALL_GATHER_MAX = limit
+                    gathered = torch.full((n * ws,), 99, dtype=dtype)  # stale contents must not leak through
+                    collectives.all_gather_into(gathered, _shard_of(rank, n, dtype), group, async_op=False)
+                    chunk = torch.full((n,), 99, dtype=dtype)
+                    flat = _flat_of(rank, n, ws, dtype)
+                    work = collectives.reduce_scatter_into(chunk, flat, group, async_op=True)
+                    collectives.wait(work)
+                    out[f"{name}/{dtype}/{n}"] = (torch.equal(gathered, want), torch.equal(chunk, want_chunk))
+    finally:
+        collectives.GLOO_NATIVE_ALL_GATHER_MAX = saved
     return out
+
+
+def _choices(rank, ws):
+    """Which wire each collective takes on gloo, by size, and with the switch that makes every one native."""
+    world, native, cpu = dist.group.WORLD, _native_group(), torch.device("cpu")
+    big = collectives.GLOO_NATIVE_ALL_GATHER_MAX
+    return {name: collectives.runs_as_all_reduce(op, group, cpu, numel) for name, (op, group, numel) in {
+        "small all_gather": ("all_gather", world, big), "large all_gather": ("all_gather", world, big + 1),
+        "small reduce_scatter": ("reduce_scatter", world, 8), "native switch": ("all_gather", native, big + 1),
+        "native switch reduce_scatter": ("reduce_scatter", native, 8)}.items()}
+
+
+def _from_the_offload_thread(rank, ws):
+    """A thread marked as running beside the training thread may not issue a collective (the offload worker
+    is marked by its executor's initializer); the training thread still may."""
+    result = {}
+
+    def worker():
+        collectives.forbid_collectives_here()
+        result["error"] = error_of(lambda: collectives.all_reduce_sum(torch.ones(2), dist.group.WORLD))
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    t2 = torch.ones(2)
+    collectives.all_reduce_sum(t2, dist.group.WORLD)
+    return {"refused": result["error"], "training_thread": t2.tolist()}
 
 
 def _worker(rank, ws):
-    return run_scenarios({"data": _data_layout, "headers": _headers}, rank, ws)
+    return run_scenarios({"data": _data_layout, "choices": _choices, "thread": _from_the_offload_thread}, rank, ws)
 
 
 @spawn_once
@@ -132,16 +124,17 @@ def test_all_gather_and_reduce_scatter_give_the_reference_layout(substitution, d
             assert chunk_ok, f"rank {rank}: reduce-scatter chunk of {n} elements"
 
 
-def test_the_fingerprint_header_follows_the_data_and_carries_every_rank_s_slot():
-    for rank, r in enumerate(report()):
-        h = scenario(r, "headers")
-        for op in ("all_gather", "reduce_scatter", "all_reduce"):
-            assert h[op]["header"] == WS * SLOT, (op, h[op])
-            assert h[op]["data"], f"rank {rank}: {op}'s data changed by its header"
-        assert h["reduce_scatter"]["flat_is_the_whole_sum"]  # the substitution sums the packed buffer in place
-
-
-def test_room_after_the_data_without_a_header_is_refused():
+def test_gloo_gathers_natively_up_to_the_measured_size_and_reduce_scatters_by_all_reduce():
+    """bench/gloo_wire.py's table decided it: native all-gathers up to GLOO_NATIVE_ALL_GATHER_MAX elements, an
+    all-reduce above; reduce-scatters always by all-reduce; SHARDWISE_GLOO_NATIVE_COLLECTIVES=1: all native."""
     for r in report():
-        msg = scenario(r, "headers")["room_without_header"]
-        assert msg == "buffer of 16 elements for 15 elements of data and no header", msg
+        assert scenario(r, "choices") == {"small all_gather": False, "large all_gather": True,
+                                          "small reduce_scatter": True, "native switch": False,
+                                          "native switch reduce_scatter": False}
+
+
+def test_a_collective_from_the_offload_worker_thread_is_refused():
+    for r in report():
+        t = scenario(r, "thread")
+        assert t["refused"].startswith("ShardwiseError: internal error: an all-reduce issued from thread"), t
+        assert t["training_thread"] == [float(WS)] * 2

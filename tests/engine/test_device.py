@@ -1,6 +1,7 @@
-"""One place decides the compute device and which backend carries a collective (``shardwise.engine.base.device``):
-the default group of ``init_process_group()`` without a backend reports ``'undefined'`` and carries CPU
-tensors over gloo and CUDA tensors over NCCL; a GPU machine must then compute on the GPU."""
+"""One place decides the compute device, where each collective's tensors live and which group carries it
+(``shardwise.engine.base.device``): the default group of ``init_process_group()`` without a backend reports
+``'undefined'`` and carries CPU tensors over gloo and CUDA tensors over NCCL; a GPU machine must then compute
+on the GPU. Data collectives run on shardwise's own copy of each group, control traffic on one gloo group."""
 
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ def test_meta_or_cpu_parameters_compute_on_the_gpu_when_the_group_moves_cuda_ten
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert device.compute_device([torch.device("meta")]) == torch.device("cuda", 3)
-    assert device.communication_device() == torch.device("cpu")  # gloo carries the small CPU tensors
 
 
 def test_a_gloo_only_group_computes_where_the_parameters_are(monkeypatch):
@@ -37,10 +37,38 @@ def test_a_gloo_only_group_computes_where_the_parameters_are(monkeypatch):
     assert device.compute_device([], explicit="cpu") == torch.device("cpu")
 
 
-def test_an_nccl_only_group_communicates_small_tensors_on_the_gpu(monkeypatch):
-    monkeypatch.setattr(device.dist, "get_backend_config", lambda group=None: "nccl")
+def test_an_nccl_only_group_computes_on_the_gpu_and_the_test_mode_stands_in_for_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    assert device.communication_device() == torch.device("cuda", 0)
+    monkeypatch.setattr(device.dist, "get_backend_config", lambda group=None: "nccl")
+    assert device.compute_device([torch.device("cpu")]) == torch.device("cuda", 0)
+    monkeypatch.setitem(device.DEVICE_ONLY_BACKENDS, "nccl_rules", lambda: torch.device("cpu", 0))
+    monkeypatch.setattr(device.dist, "get_backend_config", lambda group=None: "cpu:nccl_rules")
+    assert device.compute_device([torch.device("cpu")]) == torch.device("cpu", 0)  # tests/nccl_rules.py
+
+
+def _groups(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    import shardwise
+    from shardwise.engine.core.runtime import runtime_of
+
+    first, second = (runtime_of(shardwise.shard(torch.nn.Sequential(torch.nn.Linear(4, 4)), units={torch.nn.Linear})).pgs
+                     for _ in range(2))
+    control = device.control_group()
+    return {"own": first.shard is not dist.group.WORLD and first.shard is first.world is second.shard,
+            "ranks": dist.get_process_group_ranks(first.shard),
+            "same backend": dist.get_backend_config(first.shard) == dist.get_backend_config(),
+            "control": (device.backends(control)["cpu"], dist.get_process_group_ranks(control))}
+
+
+def test_data_collectives_run_on_own_groups_and_control_traffic_on_one_gloo_group():
+    """shard() copies the group it shards over (same ranks, same backend), once for every model over it, so a
+    user's collective on the default group never meets one of ours at the wire; the control group is gloo."""
+    from harness import run_distributed
+
+    for r in run_distributed(_groups, 2):
+        assert r == {"own": True, "ranks": [0, 1], "same backend": True, "control": ("gloo", [0, 1])}, r
 
 
 @pytest.mark.parametrize("config, cuda, nccl", [("cpu:gloo,cuda:nccl", True, True), ("nccl", True, True),

@@ -5,8 +5,8 @@ A two-unit model (``Linear(4, 5)``: 25 elements, ``Linear(5, 3)``: 18) is sharde
 and trained one step; every unit's forward records the storage its weight is a view of (the gathered buffer),
 and every collective the groups issue is recorded with its buffer's size and dtype. Expected figures come
 from first principles, not from the plan: at world size N a group of n elements pads to P = ceil(n / N) * N
-and each rank holds S = P / N; where a gloo collective carries the in-band fingerprint (checks on, the
-default) its buffer has N * SLOT more elements after the data. One spawn at world size 2, one at 1.
+and each rank holds S = P / N, nothing more (the ranks agree on each collective before it is issued, in
+exchanges of their own: 10 int64 per rank on the control group). One spawn at world size 2, one at 1.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import shardwise
 from harness import run_distributed
 from parity_utils import assert_engine_clean, run_scenarios, scenario, spawn_once
 from shardwise.engine.base import collectives
-from shardwise.engine.checks.fingerprint import SLOT
 from shardwise.engine.surface.pieces import local_of
 from shardwise.engine.core.runtime import runtime_of
 
@@ -45,7 +44,7 @@ def _model() -> nn.Module:
 
 class _RecordCollectives:
     """(operation, elements of the buffer it runs on, dtype) of every flat-group collective while active; the
-    buffer is the all-gather's output, the reduce-scatter's input and the all-reduce's tensor, header included."""
+    buffer is the all-gather's output, the reduce-scatter's input and the all-reduce's tensor."""
 
     def __enter__(self):
         self.seen, self._saved = set(), {}
@@ -146,11 +145,11 @@ def test_the_shard_holds_one_rank_s_share_in_the_master_dtype(strategy):
     ("shard_optim_grad", True, True),
 ])
 def test_the_gathered_buffer_lives_as_the_strategy_says(strategy, after_forward, after_backward):
-    """The gathered storage (P elements plus the all-gather's fingerprint room) exists only while the strategy
+    """The gathered storage (P elements) exists only while the strategy
     keeps the group gathered: never before the first forward, and it is resized to nothing when freed. An
     optimizer step does not free the kept copy of ZeRO-1/2 (the next forward refills it)."""
     r = scenario(report(2), strategy)
-    full = [(_padded(n, 2) + 2 * SLOT) * 4 for n in GROUP_NUMELS]
+    full = [_padded(n, 2) * 4 for n in GROUP_NUMELS]
     assert r["before_forward"] == [0, 0]
     assert r["in_forward"] == [(b, "torch.float32") for b in full]
     assert r["after_forward"] == (full if after_forward else [0, 0])
@@ -169,43 +168,32 @@ def test_without_sharding_the_gathered_buffer_is_the_shard():
     assert r["in_forward"] == [(b, "torch.float32") for b in full]
 
 
-def _kept_copy_agreement(strategy: str) -> set:
-    """ZeRO-1/2 add, at every top-level forward, the model-wide agreement on whether a kept copy is stale
-    (runtime.py, [Note: one path decides the shards were written]): one flag per kept group, all-reduced,
-    after the fingerprint exchange that checks it (3 int64 per rank)."""
-    if strategy not in ("shard_optim_grad", "shard_optim"):
-        return set()
-    return {("all_gather_into", 2 * 3, "torch.int64"), ("all_reduce_sum", len(GROUP_NUMELS), "torch.float32")}
-
-
-def _end_of_backward_exchange(checked: bool = True) -> set:
-    """Once per synced backward the ranks OR which parameters got a gradient (core/grad_usage.py): one int64
-    word (the model's 4 parameters) riding the end-of-backward fingerprint exchange (3 int64 per rank), or,
-    with checks off, one all-reduce of a count per parameter."""
-    if checked:
-        return {("all_gather_into", 2 * (3 + 1), "torch.int64")}
-    return {("all_reduce_sum", 4, "torch.int32")}
+# The ranks' agreements before the collectives (checks/fingerprint.py): 10 int64 per rank, gathered.
+EXCHANGE = {("all_gather_into", 2 * 10, "torch.int64")}
+# Once per synced backward the ranks OR which parameters got a gradient (core/grad_usage.py): one int64 word
+# per rank (the model's 4 parameters) gathered on the control group, after an EXCHANGE agreed on it (checks on).
+USAGE = {("all_gather_into", 2 * 1, "torch.int64")}
 
 
 @pytest.mark.parametrize("strategy,grad_numel,collectives", [
-    # .grad views: the reduce-scatter's output (S), or the whole all-reduced gradient with its header room
+    # .grad views: the reduce-scatter's output (S), or the whole all-reduced gradient
     ("full_shard", "shard", {"all_gather_into", "reduce_scatter_into"}),
     ("shard_grad_op", "shard", {"all_gather_into", "reduce_scatter_into"}),
     ("shard_optim_grad", "shard", {"all_gather_into", "reduce_scatter_into"}),
-    ("shard_optim", "padded+room", {"all_gather_into", "all_reduce_sum"}),
-    ("no_shard", "padded+room", {"all_reduce_sum"}),
+    ("shard_optim", "padded", {"all_gather_into", "all_reduce_sum"}),
+    ("no_shard", "padded", {"all_reduce_sum"}),
 ])
 def test_gradient_buffers_per_strategy(strategy, grad_numel, collectives):
-    """In backward each group packs a P-element gradient (plus the fingerprint room of the collective that
-    reduces it) and reduces it by the strategy's collective; every ``.grad`` is a view of the reduced result:
-    the rank's S elements, or (ZeRO-1, no_shard) the whole buffer, kept alive behind the views."""
+    """In backward each group packs a P-element gradient and reduces it by the strategy's collective; every
+    ``.grad`` is a view of the reduced result: the rank's S elements, or (ZeRO-1, no_shard) the whole
+    buffer, kept alive behind the views."""
     r = scenario(report(2), strategy)
-    room, ranks = 2 * SLOT, 1 if strategy == "no_shard" else 2
+    ranks = 1 if strategy == "no_shard" else 2
     for n, grads in zip(GROUP_NUMELS, r["grad"]):
-        numel = _padded(n, 2) // 2 if grad_numel == "shard" else _padded(n, ranks) + room
+        numel = _padded(n, 2) // 2 if grad_numel == "shard" else _padded(n, ranks)
         assert grads == [(numel * 4, "torch.float32")], (n, grads)
-    expected = {(op, _padded(n, ranks) + room, "torch.float32") for n in GROUP_NUMELS for op in collectives}
-    assert set(map(tuple, r["collectives"])) == expected | _kept_copy_agreement(strategy) | _end_of_backward_exchange()
+    expected = {(op, _padded(n, ranks), "torch.float32") for n in GROUP_NUMELS for op in collectives}
+    assert set(map(tuple, r["collectives"])) == expected | EXCHANGE | USAGE
 
 
 def test_mixed_precision_gathers_in_the_compute_dtype_and_reduces_in_the_reduce_dtype():
@@ -214,30 +202,28 @@ def test_mixed_precision_gathers_in_the_compute_dtype_and_reduces_in_the_reduce_
     to the optimizer is the master dtype's S elements."""
     fs = scenario(report(2), "full_shard_bf16")
     z2 = scenario(report(2), "shard_optim_grad_bf16_fp32_reduce")
-    room = 2 * SLOT
     for r, reduce_dtype in ((fs, "torch.bfloat16"), (z2, "torch.float32")):
         assert r["shard"] == [(_padded(n, 2) // 2, "torch.float32") for n in GROUP_NUMELS]
-        assert r["in_forward"] == [((_padded(n, 2) + room) * 2, "torch.bfloat16") for n in GROUP_NUMELS]
+        assert r["in_forward"] == [(_padded(n, 2) * 2, "torch.bfloat16") for n in GROUP_NUMELS]
         assert set(map(tuple, r["collectives"])) == (
-            {("all_gather_into", _padded(n, 2) + room, "torch.bfloat16") for n in GROUP_NUMELS}
-            | {("reduce_scatter_into", _padded(n, 2) + room, reduce_dtype) for n in GROUP_NUMELS}
-            | _kept_copy_agreement("shard_optim_grad" if r is z2 else "full_shard") | _end_of_backward_exchange())
+            {("all_gather_into", _padded(n, 2), "torch.bfloat16") for n in GROUP_NUMELS}
+            | {("reduce_scatter_into", _padded(n, 2), reduce_dtype) for n in GROUP_NUMELS} | EXCHANGE | USAGE)
         assert r["grad"] == [[(_padded(n, 2) // 2 * 4, "torch.float32")] for n in GROUP_NUMELS]
     assert fs["after_backward"] == [0, 0]
-    assert z2["after_backward"] == [(_padded(n, 2) + room) * 2 for n in GROUP_NUMELS]
+    assert z2["after_backward"] == [_padded(n, 2) * 2 for n in GROUP_NUMELS]
 
 
-def test_with_checks_off_no_buffer_has_room_for_a_fingerprint():
+def test_with_checks_off_the_collectives_are_the_data_alone():
     r = scenario(report(2), "full_shard_unchecked")
     assert r["in_forward"] == [(_padded(n, 2) * 4, "torch.float32") for n in GROUP_NUMELS]
     assert set(map(tuple, r["collectives"])) == {(op, _padded(n, 2), "torch.float32") for n in GROUP_NUMELS
                                                 for op in ("all_gather_into", "reduce_scatter_into")
-                                                } | _end_of_backward_exchange(checked=False)
+                                                } | USAGE
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_at_world_size_1_every_strategy_computes_in_the_shard_and_communicates_nothing(strategy):
-    """One rank: no padding, no collective, no fingerprint room; the gathered buffer is the shard itself and
+    """One rank: no padding, no collective, no agreement; the gathered buffer is the shard itself and
     each ``.grad`` a view of the group's whole (unreduced) gradient."""
     r = scenario(report(1), strategy)
     full = [n * 4 for n in GROUP_NUMELS]

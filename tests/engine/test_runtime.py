@@ -266,6 +266,36 @@ def _clip_other_norms(rank, ws):
     return out
 
 
+def _packing(rank, ws):
+    """At every gradient packing (``FlatGroup.reduce_grads``), what is alive: the packing unit's gathered
+    bytes and the reductions still in flight."""
+    from shardwise.engine.core.flat_group import FlatGroup
+
+    seen = []
+    reduce_grads = FlatGroup.reduce_grads
+
+    def spying(group, grads, sync):
+        rt = runtime_of(model_holder[0])
+        unit = next(u for u in rt.units if group in u.flat_groups)
+        seen.append((unit.label, sum(g.gathered.untyped_storage().nbytes() for g in unit.flat_groups),
+                     len(rt._pending)))
+        return reduce_grads(group, grads, sync)
+
+    model_holder = []
+
+    def step(model, batch, step_index, take):
+        if is_sharded(model):
+            model_holder[:] = [model]
+        return simple_step(gpt_loss)(model, batch, step_index, take)
+
+    FlatGroup.reduce_grads = spying
+    try:
+        metrics, _, _ = parity_check(_gpt(), step, make_batches(STEPS, VOCAB), rank, ws, shard_kwargs=dict(units={Block}))
+    finally:
+        FlatGroup.reduce_grads = reduce_grads
+    return dict(metrics=metrics, seen=seen)
+
+
 SCENARIOS = {
     "tied_gpt": _tied_gpt,
     "shared_across_units": _shared_across_units,
@@ -278,6 +308,7 @@ SCENARIOS = {
     "frozen_middle_unit": _frozen_middle_unit,
     "clip_other_norms": _clip_other_norms,
     "options": _options,
+    "packing": _packing,
 }
 
 
@@ -409,3 +440,17 @@ def test_clip_grad_norm_other_norm_types_match_torch(norm_type):
     assert len(r["norms"]) == len(r["ref_norms"]) == STEPS
     for got, want in zip(r["norms"], r["ref_norms"]):
         assert abs(got - want) <= 1e-6 * want, (r["norms"], r["ref_norms"])
+
+
+def test_a_unit_is_freed_and_the_oldest_reduction_finished_before_its_gradients_are_packed():
+    """Packing holds the unit's gradients and their flat, not its gathered parameters too (every gradient
+    of the unit is computed by then), and at most MAX_PENDING_REDUCES - 1 other flats: the oldest
+    reduction finishes before the next flat is allocated. Training stays in parity."""
+    from shardwise.engine.core.runtime import ModelRuntime
+
+    r = scenario(report(), "packing")
+    assert_parity(r["metrics"])
+    assert len(r["seen"]) == STEPS * (tiny_gpt_config().n_layer + 1)  # every block and the root, every step
+    for label, gathered_bytes, in_flight in r["seen"]:
+        assert gathered_bytes == 0, f"{label} still held {gathered_bytes} gathered bytes while packing"
+        assert in_flight < ModelRuntime.MAX_PENDING_REDUCES, f"{label}: {in_flight} reductions in flight"

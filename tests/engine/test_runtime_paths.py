@@ -372,8 +372,8 @@ class MaskedLinear(torch.nn.Module):
 
 
 def _integer_params(rank, ws):
-    """bool and int8 parameters in units and the root: they cannot carry the in-band fingerprint (a sum of
-    bools is no sum of digits), so their all-gathers are checked out of band; numbers as the reference."""
+    """bool and int8 parameters in units and the root: gathered as their own dtype; numbers as the
+    reference."""
     torch.manual_seed(0)
     initial = torch.nn.Sequential(MaskedLinear(), MaskedLinear(), MaskedLinear())
     batches = [torch.randn(6, 12, generator=torch.Generator().manual_seed(i)) for i in range(STEPS)]

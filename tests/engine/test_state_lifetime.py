@@ -243,78 +243,26 @@ def _offload_muon_kwargs(rank, world):
     return {"err": max((a - b).abs().max().item() for a, b in zip(*params))}  # (pieces: every rank calls each)
 
 
-class _Ordered(nn.Module):
-    """Three same-sized units run in the order given: ranks that choose different orders issue same-sized
-    collectives for different units."""
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-
-    def forward(self, x, order=(0, 1, 2)):
-        for i in order:
-            x = torch.tanh(self.blocks[i](x))
-        return x
-
-
-class _NativeCollectives:
-    """SHARDWISE_GLOO_NATIVE_COLLECTIVES=1 for models sharded inside the block: gloo then runs NCCL's
-    collectives (fingerprints compared out of band, as under NCCL)."""
-
-    def __enter__(self):
-        import os
-        from shardwise.engine.base import collectives
-        self.saved = os.environ.get("SHARDWISE_GLOO_NATIVE_COLLECTIVES")
-        os.environ["SHARDWISE_GLOO_NATIVE_COLLECTIVES"] = "1"
-        collectives._use_all_reduce_cache.clear()
-
-    def __exit__(self, *exc):
-        import os
-        from shardwise.engine.base import collectives
-        if self.saved is None:
-            os.environ.pop("SHARDWISE_GLOO_NATIVE_COLLECTIVES", None)
-        else:
-            os.environ["SHARDWISE_GLOO_NATIVE_COLLECTIVES"] = self.saved
-        collectives._use_all_reduce_cache.clear()
-
-
-def _native_forward_divergence(rank, world, grad):
-    """Under native collectives a forward whose ranks part after its first collective (same sizes, other
-    units) raises on every rank before returning mixed outputs: without grad (eval, generate), and with
-    grad where no backward follows (a metric computed under grad, then zero_grad())."""
-    with _NativeCollectives():
-        torch.manual_seed(0)
-        model = shardwise.shard(_Ordered(), units={nn.Linear}, prefetch=False)  # the order as called
-        x = torch.randn(4, 8)
-        with torch.set_grad_enabled(grad):
-            model(x)  # agreed: same order everywhere
-            try:
-                model(x, order=(0, 1, 2) if rank == 0 else (0, 2, 1))
-                return {"outcome": "returned"}
-            except shardwise.ShardwiseError as e:
-                return {"outcome": str(e)}
-
-
-def _native_offload_steps_after_compare(rank, world):
-    """Under native collectives offload_optimizer steps no unit during backward (its collectives are
-    compared only at backward's end); optimizer.step() steps them, and training equals the run without
-    offload."""
+def _offload_steps_in_backward(rank, world):
+    """offload_optimizer steps each unit during backward, as its gradient lands (every collective behind that
+    gradient was agreed before it was issued, and which of its parameters got a gradient was agreed before
+    its hand-out, on the training thread: core/reduction.py, grad_usage.agree_now), and training equals the
+    run without offload."""
     (x, y), = make_batches(1, VOCAB)
     params, moved_in_backward = [], None
-    with _NativeCollectives():
-        for offload in (False, True):
-            torch.manual_seed(0)
-            model = shardwise.shard(GPT(tiny_gpt_config()), units={Block},
-                                    offload=shardwise.CPUOffload() if offload else None)
-            opt = (shardwise.offload_optimizer(model, torch.optim.AdamW, lr=1e-2) if offload
-                   else torch.optim.AdamW(model.parameters(), lr=1e-2))
-            before = [p.detach().clone() for p in model.parameters()]
-            gpt_loss(model, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
-            if offload:
-                moved_in_backward = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
-            opt.step()
-            opt.zero_grad()
-            params.append([p.detach().clone() for p in model.parameters()])
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = shardwise.shard(GPT(tiny_gpt_config()), units={Block},
+                                offload=shardwise.CPUOffload() if offload else None)
+        opt = (shardwise.offload_optimizer(model, torch.optim.AdamW, lr=1e-2) if offload
+               else torch.optim.AdamW(model.parameters(), lr=1e-2))
+        before = [p.detach().clone() for p in model.parameters()]
+        gpt_loss(model, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
+        if offload:
+            moved_in_backward = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        opt.step()
+        opt.zero_grad()
+        params.append([p.detach().clone() for p in model.parameters()])
     return {"moved_in_backward": moved_in_backward,
             "err": max((a - b).abs().max().item() for a, b in zip(*params))}  # (pieces: every rank calls each)
 
@@ -353,9 +301,7 @@ def _scenarios(directory):
     return {"no_sync_dropped": _no_sync_dropped, "kept_copy_writes": _kept_copy_writes,
             "buffer_saved_for_backward": _buffer_saved_for_backward, "refusals": _refusals,
             "load_pretrained_after_forward": lambda r, w: _load_pretrained_after_forward(r, w, directory),
-            "native_no_grad_divergence": lambda r, w: _native_forward_divergence(r, w, grad=False),
-            "native_grad_forward_divergence": lambda r, w: _native_forward_divergence(r, w, grad=True),
-            "native_offload_steps_after_compare": _native_offload_steps_after_compare,
+            "offload_steps_in_backward": _offload_steps_in_backward,
             "offload_grad_kept": _offload_grad_kept, "batchnorm_is_ddp": _batchnorm_is_ddp, "offload_muon_kwargs": _offload_muon_kwargs,
             "unfrozen_after_shard": lambda r, w: _unfrozen_after_shard_is_saved(r, w, directory + "-ckpt")}
 
@@ -432,19 +378,10 @@ def test_offload_optimizer_passes_muons_arguments_and_pairs_groups_by_parameters
         assert scenario(rank_report, "offload_muon_kwargs")["err"] < 1e-6
 
 
-@pytest.mark.parametrize("case", ["native_no_grad_divergence", "native_grad_forward_divergence"])
-def test_native_collectives_a_forward_that_parts_raises_before_returning_with_or_without_grad(llama_dir, world,
-                                                                                              case):
+def test_offload_optimizer_steps_units_during_backward_and_trains_as_without_offload(llama_dir, world):
     for rank_report in _report(world, llama_dir):
-        outcome = scenario(rank_report, case)["outcome"]
-        assert outcome != "returned" and "disagree" in outcome, outcome
-        assert "all_gather of unit 'blocks.1'" in outcome and "all_gather of unit 'blocks.2'" in outcome, outcome
-
-
-def test_native_collectives_offload_optimizer_steps_only_after_the_compare(llama_dir, world):
-    for rank_report in _report(world, llama_dir):
-        out = scenario(rank_report, "native_offload_steps_after_compare")
-        assert out["moved_in_backward"] is False and out["err"] < 1e-6, out
+        out = scenario(rank_report, "offload_steps_in_backward")
+        assert out["moved_in_backward"] is True and out["err"] < 1e-6, out
 
 
 def test_batchnorm_trains_with_per_rank_batch_statistics_as_ddp_does(llama_dir, world):

@@ -3,10 +3,8 @@
 Each row: what every rank does first, then what rank 0 alone does, and the name the error gives. Called on
 every rank the result equals one process's; called on rank 0 alone, every rank raises the disagreement
 naming it (``collectives.run_agreed`` / ``CollectiveChecker.check_now``), never a hang, a gloo abort or a
-collective paired with another rank's. Under native collectives a one-rank call meets the others' next
-compare, so the process group stays usable and the rows share one spawn; the row that leaves the others in
-an in-band collective (found by the stall watchdog, the group unusable after) goes last. gloo's default (in
-band: always the watchdog's probe) runs one spawn per row, under -m slow.
+collective paired with another rank's: rank 0's agreement meets the others' next one (the start of their
+next forward), so every rank fails at once and the process group stays usable; the rows share one spawn.
 """
 
 import re
@@ -125,22 +123,11 @@ def _assert_user_call_rows(results: list, rows: list[str]) -> None:
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_collectives_user_code_starts_are_exact_on_every_rank_and_named_when_one_rank_calls_alone(world):
-    """The table under native collectives: a tensor hook's gradient gather, a GradScaler step, entering
-    summon_full_params, full_state_dict, load_full_state_dict (and a save on one rank while another
-    loads), a ShardedGradScaler's own overflow vote (no_shard: its gradients are whole, the vote is the
-    only collective; last, its peers are left in an in-band all-reduce and the watchdog names it)."""
+    """The table: a tensor hook's gradient gather, a GradScaler step, entering summon_full_params,
+    full_state_dict, load_full_state_dict (and a save on one rank while another loads), a ShardedGradScaler's
+    own overflow vote (no_shard: its gradients are whole, the vote is the only collective)."""
     rows = list(USER_CALLS)
     start = time.monotonic()
-    results = run_distributed(_user_call_rows, world, rows, timeout_s=60, env={"SHARDWISE_GLOO_NATIVE_COLLECTIVES": "1"},
-                              allow_errors=True)
+    results = run_distributed(_user_call_rows, world, rows, timeout_s=60, allow_errors=True)
     assert time.monotonic() - start < 50, results  # never the 60 s collective timeout
     _assert_user_call_rows(results, rows)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("row", ["tensor_hook", "scaler_no_shard", "summon", "load_full_state_dict"])
-def test_in_band_a_user_call_on_one_rank_is_named_by_the_stall_watchdog(row):
-    """gloo's default (fingerprints in band): rank 0 waits in the agreement, the others in their next
-    collective; the watchdog's probe finds the disagreement in the rings, without SHARDWISE_STALL_S."""
-    results = run_distributed(_user_call_rows, 2, [row], timeout_s=60, allow_errors=True)
-    _assert_user_call_rows(results, [row])

@@ -146,7 +146,7 @@ def _memory(strategy):
         groups = [g for g in rt.flat_groups()]
         return {"kept": kept, "grad_bytes": sorted(grad_bytes),
                 "shard_bytes": sorted({4 * g.plan.shard_numel for g in groups}),
-                "full_bytes": sorted({4 * (g.plan.padded_numel + g.fingerprint.room_grad_flat) for g in groups})}
+                "full_bytes": sorted({4 * g.plan.padded_numel for g in groups})}
     return run
 
 
@@ -190,18 +190,14 @@ def test_accumulation_matches_and_gathers_once_per_optimizer_step(world_size, st
     groups = r["groups"]
     for step, c in enumerate(r["counts"]):
         # Step 0 gathers at its first forward (nothing was gathered yet); later steps right after the
-        # optimizer step: once per group either way, never again in the second micro-batch or in backward.
-        # Plus, per top-level forward (two micro-batches), the ranks' agreement on whether a kept copy is
-        # stale ([Note: one path decides the shards were written] in runtime.py): one small all-reduce, after
-        # the fingerprint exchange (an all-gather on the side group) that checks it like every collective
-        # outside the unit schedule. And once per synced backward the end-of-backward exchange on the side
-        # group, which carries which parameters got a gradient (core/grad_usage.py).
-        forwards = 2
-        assert c["all_gather_into"] == groups + forwards + 1, (step, c)
+        # optimizer step: once per group either way, never again in the second micro-batch or in backward
+        # (whether a kept copy is refilled rides in each forward's start agreement: no collective of its own;
+        # which parameters got a gradient is agreed on the control group, core/grad_usage.py: not data, not counted).
+        assert c["all_gather_into"] == groups, (step, c)
         if strategy == "shard_optim":
-            assert c["all_reduce_sum"] == groups + forwards and c["reduce_scatter_into"] == 0, (step, c)
+            assert c["all_reduce_sum"] == groups and c["reduce_scatter_into"] == 0, (step, c)
         else:
-            assert c["reduce_scatter_into"] == groups and c["all_reduce_sum"] == forwards, (step, c)
+            assert c["reduce_scatter_into"] == groups and c["all_reduce_sum"] == 0, (step, c)
 
 
 @pytest.mark.parametrize("world_size,strategy", CASES)
@@ -216,6 +212,6 @@ def test_memory_kept_between_steps(world_size, strategy):
     r = scenario(report(world_size), f"{strategy}/memory")
     assert r["kept"], "the gathered parameters must stay allocated between steps"
     # Every .grad is a view of its group's reduced gradient: the 1/N shard (ZeRO-2), or the whole
-    # all-reduced gradient with room for its in-band fingerprint (ZeRO-1).
+    # all-reduced gradient (ZeRO-1).
     expected = r["shard_bytes"] if strategy == "shard_optim_grad" else r["full_bytes"]
     assert r["grad_bytes"] == expected

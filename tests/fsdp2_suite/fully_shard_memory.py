@@ -18,10 +18,7 @@ def gathered_bytes(ctx, model) -> int:
     if ctx.side == "shardwise":
         from shardwise.engine.core.runtime import runtime_of
 
-        # The data part of each allocated buffer: the in-band fingerprint after it (fingerprint.py, a few
-        # hundred bytes per unit) is no parameter memory.
-        return sum(g.plan.padded_numel * g.param_dtype.itemsize for g in runtime_of(model).flat_groups()
-                   if g.gathered.untyped_storage().nbytes())
+        return sum(g.gathered.untyped_storage().nbytes() for g in runtime_of(model).flat_groups())
     seen, total = set(), 0
     for m in model.modules():
         state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None

@@ -76,9 +76,10 @@ def test_gathered_buffer_is_the_shard_exactly_when_the_engine_says_so():
 
 def test_gradient_reduction_counts_the_engines_gradient_flats_alive_at_once():
     """A unit's unsharded gradients (bf16 compute) plus MAX_GRAD_FLATS_ALIVE flat buffers (fp32 reduce): the
-    one being packed and those the runtime leaves in flight; the root reduces last, behind the blocks'."""
+    one being packed and those the runtime leaves in flight, the oldest finished before the next is allocated;
+    the root reduces last, behind the blocks'."""
     alive = ModelRuntime.MAX_GRAD_FLATS_ALIVE
-    assert alive == ModelRuntime.MAX_PENDING_REDUCES + 1
+    assert alive == ModelRuntime.MAX_PENDING_REDUCES
     plan = plan_memory(PlanInputs("gpt-34m", 4, mixed_precision="bf16"))
     block, root = plan.gathered_unit_bytes // 2, plan.root_unit_bytes // 2  # padded numels (gathered in bf16)
     assert plan.grad_reduce_bytes == max(2 * block + alive * 4 * block, 2 * root + 4 * root + (alive - 1) * 4 * block)

@@ -13,6 +13,7 @@ pytest.importorskip("peft")
 
 from shardwise.planner.cli import main
 from shardwise.planner.memory import PlanInputs, plan_memory
+from shardwise.planner.quantized import dequant_chunk_bytes
 from shardwise.usage import UsageError
 
 SEED_JOB = PlanInputs("llama-2-70b", 4, mixed_precision="bf16", activation_checkpointing=True, batch_size=1,
@@ -34,6 +35,11 @@ def test_seed_job_fits_four_24gb_gpus_with_a_4bit_base_and_not_with_bf16():
     per_rank = quantised * (0.5 + 1 / 64 + 4 / 16384) / 4
     assert abs(nf4.quantised_shard_bytes - per_rank) / per_rank < 0.001
     assert nf4.dequantised_weight_bytes >= 28672 * 8192 * 2  # the MLP's largest matrix in bf16
+    # under activation checkpointing a decoder layer's recompute keeps its 7 dequantised matrices for its backward
+    layer = 2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 28672 * 8192
+    assert nf4.recomputed_weight_bytes == layer * 2 + dequant_chunk_bytes("cuda")
+    assert plan_memory(replace(SEED_JOB, load_in_4bit=True, activation_checkpointing=False),
+                       _cache=cache).recomputed_weight_bytes == 0
     assert nf4.trainable_params == bf16.trainable_params
 
 

@@ -227,6 +227,19 @@ def _moe_expert_bytes(rank, ws):
     }
 
 
+def _dequant_counts(rank, ws, model_fn):
+    """One step under the engine's activation checkpointing: how many times each 4-bit matrix was dequantised
+    on this rank."""
+    import shardwise
+    from shardwise.quant.experts import dequantization_counts, reset_dequantization_counts
+
+    model = shardwise.shard(model_fn(), units="auto", activation_checkpointing=True)
+    x, y = make_batches(1, VOCAB)[0]
+    reset_dequantization_counts(model)
+    lm_loss(model, local_slice(x, rank, ws), local_slice(y, rank, ws)).backward()
+    return dequantization_counts(model)
+
+
 def _worker(rank, ws, root):
     return run_scenarios({
         "sgd": lambda r, w: _parity(r, w, "sgd"),
@@ -244,6 +257,8 @@ def _worker(rank, ws, root):
         "moe_qwen3_sgd": lambda r, w: _parity(r, w, "sgd", model_fn=moe_model),
         "moe_qwen3_adamw_ckpt": lambda r, w: _parity(r, w, "adamw", model_fn=moe_model, activation_checkpointing=True),
         "moe_bytes": _moe_expert_bytes,
+        "dequant_counts": lambda r, w: _dequant_counts(r, w, quantised_lora_model),
+        "moe_dequant_counts": lambda r, w: _dequant_counts(r, w, moe_model),
     }, rank, ws)
 
 
@@ -344,3 +359,15 @@ def test_moe_experts_are_4bit_bytes_split_across_ranks_and_frozen(ws, root):
     for rank, r in enumerate(reports):
         assert r["local_bytes"] <= r["total_bytes"] / ws + 4 * ws, (rank, r["local_bytes"], r["total_bytes"])
         assert r["frozen"] and r["only_adapters_train"] and r["no_state"], (rank, r)
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_each_4bit_weight_is_dequantised_twice_per_step_under_activation_checkpointing(ws, root):
+    """Forward once, then the recompute, whose weights its backward uses: never a third time."""
+    for rank, r in enumerate(_report(ws, root)):
+        dense = scenario({"dequant_counts": r["dequant_counts"]}, "dequant_counts")
+        assert dense and set(dense.values()) == {2}, (rank, dense)
+        moe = scenario({"moe_dequant_counts": r["moe_dequant_counts"]}, "moe_dequant_counts")
+        experts = {k: v for k, v in moe.items() if "[" in k}
+        assert max(experts.values()) == 2 and set(experts.values()) <= {0, 2}, (rank, moe)  # routed: 2, else 0
+        assert set(v for k, v in moe.items() if k not in experts) == {2}, (rank, moe)

@@ -1,13 +1,17 @@
 """Thin wrappers over torch.distributed collectives: one place that knows the API differences between
 torch versions and backends, so the rest of the package speaks in ``all_gather_into`` / ``reduce_scatter_into``.
 
-[Note: all-reduce in place of all-gather / reduce-scatter on gloo] gloo's all-gather and reduce-scatter
-are 2-4x slower than its ring all-reduce of the same buffer (measured on this project's CPU machines at
-world sizes 2-4, 12-50M elements: all-reduce 0.04-0.2 s, all-gather 0.2-0.4 s, reduce-scatter 0.19-0.41 s).
-So on gloo we gather by zero-filling the output, writing our shard into our chunk and all-reducing (x + 0
-is exact in every dtype), and reduce-scatter by all-reducing the packed gradients in place and keeping our
-chunk. No extra memory: both run in buffers we already hold. NCCL keeps the native collectives, which
-move half the bytes. ``SHARDWISE_GLOO_NATIVE_COLLECTIVES=1`` turns the substitution off.
+[Note: the wire on gloo] gloo's reduce-scatter is slower than its ring all-reduce of the same buffer at
+every size that matters, and its all-gather too above a few million elements (bench/gloo_wire.py, its table
+in bench/README.md: world sizes 2-4). So on gloo a reduce-scatter all-reduces the packed gradients in place
+and keeps this rank's chunk, and an all-gather of more than ``GLOO_NATIVE_ALL_GATHER_MAX`` elements zero-fills
+the output, writes this rank's chunk and all-reduces it (x + 0 is exact in every dtype); smaller all-gathers
+are gloo's own, which moves half the bytes. No extra memory: both substitutes run in buffers we already
+hold. NCCL keeps the native collectives. ``SHARDWISE_GLOO_NATIVE_COLLECTIVES=1`` makes every one native (a
+network where bytes cost more than gloo's slower algorithms).
+
+No collective is issued from a thread that runs beside the training thread (the offload worker): collectives
+from two threads could reach the wire in a different order on different ranks. ``issue_here`` enforces it.
 
 Every collective inherits the timeout of its process group (set at ``init_process_group(timeout=...)``),
 and ``wait`` accepts a timeout as well, so no call here can block forever. ``wait`` is the one place shardwise
@@ -24,6 +28,7 @@ import collections
 import contextlib
 import ctypes
 import sys
+import threading
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -101,14 +106,41 @@ def _without_python_tls():
 _BACKWARD_TLS_KEY = "context"
 
 
-def gathers_by_all_reduce(group, device: torch.device = torch.device("cpu")) -> bool:
-    """Whether all-gather / reduce-scatter of ``device`` tensors on ``group`` run as one all-reduce, which can
-    also carry an in-band header (fingerprint.py): where gloo carries them."""
-    key = (id(group), device.type)
+GLOO_NATIVE_ALL_GATHER_MAX = 2**22  # elements; above it gloo's all-gather runs as an all-reduce (see the Note)
+
+
+def runs_as_all_reduce(op: str, group, device: torch.device, numel: int) -> bool:
+    """Whether ``op`` ("all_gather" / "reduce_scatter") of ``numel`` elements (the whole, gathered size) on
+    ``group`` runs as one all-reduce: see [Note: the wire on gloo]."""
+    key = (id(group), torch.device(device).type)
     if key not in _use_all_reduce_cache:
         native = flags.enabled(flags.GLOO_NATIVE_COLLECTIVES)
         _use_all_reduce_cache[key] = devices.backend_for(group, device) == "gloo" and not native
-    return _use_all_reduce_cache[key]
+    return _use_all_reduce_cache[key] and (op == "reduce_scatter" or numel > GLOO_NATIVE_ALL_GATHER_MAX)
+
+
+_no_collectives = threading.local()  # .here: this thread runs beside the training thread (the offload worker)
+
+
+def forbid_collectives_here() -> None:
+    """The calling thread runs beside the training thread (the offload worker: its initializer calls this):
+    a collective issued from it could reach the wire before or after the training thread's next one,
+    differently on different ranks."""
+    _no_collectives.here = True
+
+
+def issue_here(what: str) -> None:
+    """Refuse a collective issued from a thread that runs beside the training thread (an internal error if it
+    ever happens: such a thread hands its collectives back). Autograd's own threads are fine: the training
+    thread waits in ``backward()`` while they run."""
+    if getattr(_no_collectives, "here", False):
+        raise ShardwiseError(f"internal error: {what} issued from thread {threading.current_thread().name!r}, "
+                             f"which runs beside the training thread: collectives from two threads reach the "
+                             f"wire in different orders on different ranks")
+    stalled = watchdog.unusable()
+    if stalled is not None:  # a collective may still be pending: the next one issued would pair with it
+        raise ShardwiseError(f"rank {dist.get_rank()}: not issuing {what}: an earlier wait ({stalled}) ended in "
+                             f"an error and shardwise's process groups are unusable from there on: exit")
 
 
 class _ThenCopy:
@@ -128,27 +160,18 @@ class _ThenCopy:
         return True
 
 
-def _place_header(buffer: torch.Tensor, data_numel: int, header: Optional[torch.Tensor]) -> None:
-    if header is not None:
-        buffer.narrow(0, data_numel, header.numel()).copy_(header)
-    elif buffer.numel() != data_numel:
-        raise ValueError(f"buffer of {buffer.numel()} elements for {data_numel} elements of data and no header")
-
-
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True,
-                    header: Optional[torch.Tensor] = None, what: Optional[str] = None):
+                    what: Optional[str] = None):
     """Concatenate every rank's ``shard`` (same numel everywhere) into ``output``, rank-major.
-    ``header`` (all-reduce path only) is summed into ``output``'s tail, after the gathered data.
     ``what`` names the call in errors and stall reports when ``async_op=False`` (default: op, size, caller)."""
-    if gathers_by_all_reduce(group, output.device):
+    issue_here("an all-gather")
+    if runs_as_all_reduce("all_gather", group, output.device, output.numel()):
         n = shard.numel()
         output.zero_()
         output.narrow(0, dist.get_rank(group) * n, n).copy_(shard)
-        _place_header(output, n * dist.get_world_size(group), header)
         with _without_python_tls():
             work = _retain(dist.all_reduce(output, op=dist.ReduceOp.SUM, group=group, async_op=True))
     else:
-        assert header is None, "in-band headers ride only on the all-reduce path"
         with _without_python_tls():
             work = _retain(_all_gather_single(output, shard, group=group, async_op=True))
     if async_op:
@@ -158,18 +181,16 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: 
 
 
 def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, group, async_op: bool = True,
-                        header: Optional[torch.Tensor] = None, what: Optional[str] = None):
+                        what: Optional[str] = None):
     """Sum ``flat`` over ranks and keep this rank's contiguous 1/N chunk in ``output``.
-    On gloo ``flat`` is overwritten with the full sum (see the Note above); ``header`` (that path only) is
-    written into ``flat``'s tail, after the N chunks, and summed with them."""
-    if gathers_by_all_reduce(group, flat.device):
+    On gloo ``flat`` is overwritten with the full sum (see [Note: the wire on gloo])."""
+    issue_here("a reduce-scatter")
+    if runs_as_all_reduce("reduce_scatter", group, flat.device, flat.numel()):
         n = output.numel()
-        _place_header(flat, n * dist.get_world_size(group), header)
         with _without_python_tls():
             work = _retain(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True))
         work = _ThenCopy(work, output, flat.narrow(0, dist.get_rank(group) * n, n))
     else:
-        assert header is None, "in-band headers ride only on the all-reduce path"
         with _without_python_tls():
             work = _retain(_reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True))
     if async_op:
@@ -178,11 +199,9 @@ def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, group, async_o
     return None
 
 
-def all_reduce_sum(tensor: torch.Tensor, group, async_op: bool = False, header: Optional[torch.Tensor] = None,
-                   what: Optional[str] = None):
-    """Sum ``tensor`` over ranks in place; ``header`` is written into its last elements first and summed too."""
-    if header is not None:
-        _place_header(tensor, tensor.numel() - header.numel(), header)
+def all_reduce_sum(tensor: torch.Tensor, group, async_op: bool = False, what: Optional[str] = None):
+    """Sum ``tensor`` over ranks in place."""
+    issue_here("an all-reduce")
     with _without_python_tls():
         work = _retain(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True))
     if async_op:
@@ -195,6 +214,7 @@ def run_and_wait(collective: Callable, *args, what: Optional[str] = None, group=
     """Run a torch.distributed collective synchronously, waiting through ``wait`` (named errors, stall
     reports): ``run_and_wait(dist.broadcast, t, src=0, what="...")`` in place of ``dist.broadcast(t, src=0)``.
     ``collective`` must accept ``group`` and ``async_op``."""
+    issue_here(getattr(collective, "__name__", "a collective"))
     with _without_python_tls():
         work = _retain(collective(*args, group=group, async_op=True, **kwargs))
     wait(work, what=what or _called(getattr(collective, "__name__", "collective"), _first_tensor(args)),
@@ -226,7 +246,7 @@ def wait(work, timeout: Optional[timedelta] = None, what: watchdog.What = "colle
     if work is None:
         return
     try:
-        watchdog.wait(work, what, timeout, _waits_on_cpu(group))
+        watchdog.wait(work, what, timeout, _waits_on_cpu(group), group)
     except ShardwiseError:
         raise
     except RuntimeError as e:
@@ -261,16 +281,18 @@ def _called(op: str, tensor: Optional[torch.Tensor]) -> str:
     return f"{op}{size} in {frame.f_code.co_name}()"
 
 
-def broadcast_text(text: Optional[str], src: int = 0, group=None, device: torch.device = torch.device("cpu")) -> str:
-    """Send a string from ``src`` to every rank without pickle (length, then UTF-8 bytes)."""
+def broadcast_text(text: Optional[str], src: int = 0) -> str:
+    """Send a string from global rank ``src`` to every rank without pickle (length, then UTF-8 bytes): control
+    traffic, host tensors on the control group (device.py). The caller agrees on the call first."""
     is_src = dist.get_rank() == src
     data = (text or "").encode("utf-8") if is_src else b""
     what = f"broadcast_text from rank {src} in {sys._getframe(1).f_code.co_name}()"
-    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    group = devices.control_group()
+    length = torch.tensor([len(data)], dtype=torch.int64)
     run_and_wait(dist.broadcast, length, src=src, group=group, what=what)
-    buf = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    buf = torch.empty(int(length.item()), dtype=torch.uint8)
     if is_src and len(data):
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     if buf.numel():
         run_and_wait(dist.broadcast, buf, src=src, group=group, what=what)
-    return bytes(buf.cpu().tolist()).decode("utf-8") if not is_src else (text or "")
+    return bytes(buf.tolist()).decode("utf-8") if not is_src else (text or "")

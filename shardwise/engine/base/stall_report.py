@@ -18,7 +18,9 @@ def _describe(line: Optional[dict]) -> str:
         return f"in {line['in']} for {line['for']:.1f} s (step {line['step']})"
     last = f", {line['last']}," if line.get("last") else ""
     where = f"since step {line['step']}" if line["step"] else "before its first step"
-    return f"outside shardwise {where} (its last shardwise wait{last} ended {line['idle']:.1f} s ago)"
+    call = line.get("user_call")
+    blocked = f", blocked in {call['call']} called at {call['at']}" if call else ""
+    return f"outside shardwise {where}{blocked} (its last shardwise wait{last} ended {line['idle']:.1f} s ago)"
 
 
 def render(report: dict, world: int) -> str:

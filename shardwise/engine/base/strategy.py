@@ -98,6 +98,7 @@ class ProcessGroups:
     shard_size: int
     shard_rank: int
     replicate_size: int
+    world: Optional[dist.ProcessGroup] = None  # every rank of the model: rank 0's values come over it
 
     @property
     def data_parallel_size(self) -> int:

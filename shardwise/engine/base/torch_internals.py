@@ -1,11 +1,15 @@
 """The torch internals the step relies on, each in one function whose comment names the torch versions
-checked (torch 2.13 on the CPU machines, 2.11 on the GPU image). Nothing else in the engine calls them."""
+checked (torch 2.13 on the CPU machines, 2.11 on the GPU image). Nothing else in the engine calls them.
+``autograd_engine_running`` lives in ``shardwise.autograd_state`` (quant/ asks it too) and is re-exported here."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+
+# Whether this thread runs a backward: a leaf below the engine, because quant/ asks it too.
+from shardwise.autograd_state import autograd_engine_running  # noqa: F401  (re-exported for the engine)
 
 
 def version_counter(t: torch.Tensor) -> int:
@@ -20,13 +24,6 @@ def resize_storage(t: torch.Tensor, nbytes: int) -> None:
     is resized up again. ``UntypedStorage.resize_`` on a storage shared by views (checked on torch 2.11 and
     2.13; FSDP2 frees its unsharded parameters the same way)."""
     t.untyped_storage().resize_(nbytes)
-
-
-def autograd_engine_running() -> bool:
-    """Whether this thread is executing a backward pass (a forward now is a recompute).
-    Private API ``torch._C._current_graph_task_id()``: -1 outside the autograd engine (checked on torch 2.11
-    and 2.13)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def call_after_backward(fn: Callable[[], None]) -> None:

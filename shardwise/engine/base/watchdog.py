@@ -37,15 +37,13 @@ Threshold, ``SHARDWISE_STALL_S``:
   the process group's own timeout (``init_process_group(timeout=...)``) is the user's word on how long
   is too long; that timeout still ends the wait, with a report printed before it.
 
-Every rank's line also carries its recent collectives (``fingerprint._rings``: the last ``RING``
-fingerprints, and the out-of-band log not yet compared), read by the watchdog thread only when a report is
-made: the report shows each rank's last few collectives, names the ranks that are behind (fewest calls),
-and if the logs (or the rings, which also hold in-band fingerprints) show two ranks that sent different
-fingerprints for the same call, the verdict is to raise that disagreement, whatever the threshold. Under
-native collectives, or with a ``check_now`` pending (out-of-band logs not yet compared), a wait longer
-than ``PROBE_S`` starts a *quiet probe* (at most one per ``PROBE_EVERY_S`` per rank): the same exchange,
-printed and raised only if it proves a disagreement, so ranks that parted between two compare points and
-hang are named within seconds instead of at the stall threshold.
+Every rank's line also carries its last collectives (``fingerprint._rings``), read by the watchdog thread
+only when a report is made, and, for a rank outside shardwise, the ``torch.distributed`` call its training
+thread is blocked in, if any (blocked_call.py). The verdict is to raise, whatever the threshold, when they
+prove the ranks parted: two ranks' last collectives differ at one call number, or ranks blocked in a
+collective of their own hold ranks waiting in one of ours (a deadlock). Any wait longer than ``PROBE_S``
+starts a *quiet probe* (at most one per ``PROBE_EVERY_S`` per rank): the same exchange, printed and raised
+only if it proves that much, so ranks that parted are named within seconds, not at the threshold.
 
 The verdict is also *report only* when every rank is waiting in the same collective: that one is slow,
 not out of step. Without a store (``_default_store`` below) the report is this rank's own line only.
@@ -65,6 +63,7 @@ from typing import Callable, Optional, Union
 import torch.distributed as dist
 
 from shardwise.engine.base import flags
+from shardwise.engine.base.blocked_call import blocked_call, deadlock
 from shardwise.engine.base.stall_report import GATHER_S, render
 from shardwise.errors import ShardwiseError
 
@@ -76,7 +75,7 @@ POLL_S = 1.0
 SLICE_S = 0.25
 _SLICE = timedelta(seconds=SLICE_S)
 _KEY = "shardwise/stall"
-PROBE_S = 2.0  # a wait this long, with out-of-band fingerprints not yet compared, starts a quiet probe
+PROBE_S = 2.0  # a wait this long starts a quiet probe
 PROBE_EVERY_S = 10.0  # at most one probe per rank this often
 
 What = Union[str, Callable[[], str], None]  # a description, or a function making it when it is needed
@@ -123,6 +122,8 @@ class _State:
         self.stalled: Optional[str] = None  # the wait that raised a stall: every later unfinished wait fails at once
         self.probed = 0.0  # when this rank last started a probe
         self.reporting = False  # this rank's watchdog is taking part in a report (its verdict may raise here)
+        self.group = None  # the process group of the current wait (None: the default group)
+        self.thread: Optional[int] = None  # the training thread: the last one that waited or started a step
 
 
 _state = _State()
@@ -182,13 +183,15 @@ def note_step() -> None:
         s.longest = now - s.step_t
     s.step += 1
     s.step_t = now
+    s.thread = threading.get_ident()
     if not s.started:
         _start()
 
 
-def wait(work, what: What, timeout: Optional[timedelta] = None, blocking: bool = True) -> None:
+def wait(work, what: What, timeout: Optional[timedelta] = None, blocking: bool = True, group=None) -> None:
     """``work.wait()``, recording where this rank is. ``blocking``: whether ``work.wait()`` blocks the CPU
-    until the collective is done (gloo); only then is the wait sliced so that a reported stall can raise."""
+    until the collective is done (gloo); only then is the wait sliced so that a reported stall can raise.
+    ``group``: the collective's process group (a report says which ranks it waits for)."""
     s = _state
     if not s.started:
         _start()
@@ -196,6 +199,7 @@ def wait(work, what: What, timeout: Optional[timedelta] = None, blocking: bool =
     s.wid += 1
     wid = s.wid
     s.blocking = blocking
+    s.group, s.thread = group, threading.get_ident()
     s.what = what
     try:
         if s.stalled is not None and blocking and not work.is_completed():
@@ -234,6 +238,12 @@ def wait(work, what: What, timeout: Optional[timedelta] = None, blocking: bool =
         s.what = None
         s.last_what = what
         s.left = time.monotonic()
+
+
+def unusable() -> Optional[str]:
+    """The wait that raised a stall or a disagreement, if one did: a collective may still be pending on some
+    rank, so nothing more may be issued (collectives.issue_here), or the next one would pair with it."""
+    return _state.stalled
 
 
 def _raise_stall(s: _State, wid: int, what: What, linger_s: float) -> None:
@@ -297,12 +307,14 @@ def _stop_at_exit() -> None:
 
 def _where(s: _State, now: float) -> dict:
     """This rank's line of the report."""
-    what, since, wid = s.what, s.since, s.wid
+    what, since, wid, group = s.what, s.since, s.wid, s.group
     if what is not None and s.blocking:
-        line = {"in": _text(what), "for": round(now - since, 1), "step": s.step, "wid": wid}
+        line = {"in": _text(what), "for": round(now - since, 1), "step": s.step, "wid": wid,
+                "ranks": _ranks(group)}
     else:
         line = {"in": None, "step": s.step, "idle": round(now - s.left, 1), "last": _text(s.last_what)
-                if s.last_what is not None else None}
+                if s.last_what is not None else None,
+                "user_call": blocked_call(s.thread if s.thread is not None else threading.main_thread().ident)}
     if _ring_source is not None:
         try:
             line["rings"] = _ring_source()
@@ -311,9 +323,11 @@ def _where(s: _State, now: float) -> dict:
     return line
 
 
-def _unchecked(rings: dict | None) -> bool:
-    """Whether this rank has out-of-band fingerprints its peers have not confirmed yet."""
-    return bool(rings) and any(r.get("log_len") for r in rings.values())
+def _ranks(group) -> list[int]:
+    try:
+        return list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+    except (RuntimeError, ValueError):
+        return []
 
 
 class _Watchdog:
@@ -350,11 +364,10 @@ class _Watchdog:
         thr, may_raise = threshold()
         stalled = (thr is not None and s.what is not None and s.blocking
                    and now - max(s.since, s.reported) > thr)
-        # A quiet probe: a wait past PROBE_S while out-of-band fingerprints are unconfirmed makes every rank
-        # post its recent collectives; if they show ranks that parted, every waiting rank raises at once.
-        probe = (not stalled and thr is not None and _ring_source is not None and s.what is not None
-                 and s.blocking and now - s.since > min(PROBE_S, thr) and now - s.probed > PROBE_EVERY_S
-                 and _unchecked(_ring_source()))
+        # A quiet probe: a wait past PROBE_S makes every rank post where it is and its last collectives; if
+        # they prove the ranks parted, every waiting rank raises at once.
+        probe = (not stalled and thr is not None and s.what is not None and s.blocking
+                 and now - s.since > min(PROBE_S, thr) and now - s.probed > PROBE_EVERY_S)
         store = _default_store()
         rank, world = dist.get_rank(), dist.get_world_size()
         if store is None:
@@ -415,12 +428,14 @@ class _Watchdog:
         elif len(lines) == world and len(waiting) == 1 and None not in waiting:
             may_raise, why = False, "every rank is in this same collective (slow, not out of step)"
         report = {"by": rank, "thr": thr, "raise": may_raise, "lines": lines, "why": why}
+        diverged = None
         if _diagnose is not None:
             diverged, report["collectives"] = _diagnose({int(r): line.get("rings") for r, line in lines.items()})
-            if diverged:
-                report.update(diverged=diverged, quiet=False)
-                report["raise"] = True  # proven, not suspected: raise whatever the threshold
-                return report
+        diverged = diverged or deadlock(lines, world, min(PROBE_S, thr))
+        if diverged:
+            report.update(diverged=diverged, quiet=False)
+            report["raise"] = True  # proven, not suspected: raise whatever the threshold
+            return report
         report["quiet"] = quiet  # a probe that proved nothing prints nothing
         return report
 

@@ -3,7 +3,8 @@
 A checkpoint problem is often seen by one rank only (its file is the truncated one). Raising there alone
 would leave the other ranks blocked in their next collective until the timeout; instead every step of
 save and load ends in ``raise_if_any``, which all ranks call, so either all go on or all raise the same
-``ShardwiseError``. Text travels as UTF-8 bytes in uint8 tensors (torch's object collectives pickle).
+``ShardwiseError``. Text travels as UTF-8 bytes in uint8 tensors (torch's object collectives pickle). All of
+it is control traffic: host tensors on the control group (device.py), each call agreed first.
 """
 
 from __future__ import annotations
@@ -17,15 +18,15 @@ import torch
 import torch.distributed as dist
 
 from shardwise.engine.base import flags
-from shardwise.engine.base.collectives import broadcast_text, run_and_wait
-from shardwise.engine.base.device import communication_device
+from shardwise.engine.base.collectives import all_gather_into, broadcast_text, run_and_wait
+from shardwise.engine.base.device import control_group
 from shardwise.engine.checks.fingerprint import check_collective
 from shardwise.errors import ShardwiseError
 
 T = TypeVar("T")
 # Which agreement collective comes next, in the fingerprint's size field (fingerprint.check_collective): a
 # rank raising while another gathers JSON fails by name instead of pairing two different collectives.
-_RAISE_IF_ANY, _GATHER_JSON, _BROADCAST_JSON = 1, 2, 3
+_RAISE_IF_ANY, _GATHER_JSON, _BROADCAST_JSON, _HOST_ALL_REDUCE, _HOST_ALL_GATHER = 1, 2, 3, 4, 5
 
 
 def is_distributed() -> bool:
@@ -40,11 +41,6 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def comm_device() -> torch.device:
-    """Where the small tensors of these collectives live: NCCL only moves CUDA tensors."""
-    return communication_device()
-
-
 def raise_if_any(problem: Optional[str]) -> None:
     """Every rank calls this; if any rank has a problem, every rank raises the lowest such rank's text."""
     if not is_distributed():
@@ -53,14 +49,13 @@ def raise_if_any(problem: Optional[str]) -> None:
         return
     check_collective("checkpoint", _RAISE_IF_ANY)  # a rank here alone fails by name, not in a mismatched collective
     me, n = dist.get_rank(), dist.get_world_size()
-    device = comm_device()
-    flag = torch.tensor([me if problem else n], dtype=torch.int64, device=device)
-    run_and_wait(dist.all_reduce, flag, op=dist.ReduceOp.MIN, what="the agreement on which rank failed")
+    flag = torch.tensor([me if problem else n], dtype=torch.int64)
+    run_and_wait(dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=control_group(),
+                 what="the agreement on which rank failed")
     first = int(flag.item())
     if first == n:
         return
-    text = broadcast_text(problem if me == first else None, src=first, device=device)
-    raise ShardwiseError(text)
+    raise ShardwiseError(broadcast_text(problem if me == first else None, src=first))
 
 
 def attempt(fn: Callable[[], T], what: str) -> tuple[Optional[T], Optional[str]]:
@@ -100,30 +95,45 @@ def gather_json(obj: Any, dst: int = 0) -> Optional[list[Any]]:
     if not is_distributed():
         return [json.loads(data)]
     check_collective("checkpoint", _GATHER_JSON)
-    n, device = dist.get_world_size(), comm_device()
-    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
-    run_and_wait(dist.all_gather, lengths, length, what="the exchange of every rank's JSON length")
+    n, group = dist.get_world_size(), control_group()
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    run_and_wait(dist.all_gather, lengths, length, group=group, what="the exchange of every rank's JSON length")
     sizes = [int(t.item()) for t in lengths]
     longest = max(sizes)
     buf = torch.zeros(longest, dtype=torch.uint8)
     if data:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    # all_gather rather than gather: NCCL has no gather, and this is a few kilobytes per rank.
-    bufs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(n)]
-    run_and_wait(dist.all_gather, bufs, buf.to(device), what="the exchange of every rank's JSON")
+    bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
+    run_and_wait(dist.all_gather, bufs, buf, group=group, what="the exchange of every rank's JSON")
     if dist.get_rank() != dst:
         return None
-    return [json.loads(b[:size].cpu().numpy().tobytes().decode("utf-8")) for b, size in zip(bufs, sizes)]
+    return [json.loads(b[:size].numpy().tobytes().decode("utf-8")) for b, size in zip(bufs, sizes)]
 
 
 def broadcast_json(obj: Any, src: int = 0) -> Any:
     if not is_distributed():
         return obj
     check_collective("checkpoint", _BROADCAST_JSON)
-    text = broadcast_text(json.dumps(obj, allow_nan=True) if dist.get_rank() == src else None, src=src,
-                          device=comm_device())
-    return json.loads(text)
+    return json.loads(broadcast_text(json.dumps(obj, allow_nan=True) if dist.get_rank() == src else None, src=src))
+
+
+def all_gather_host(output: torch.Tensor, mine: torch.Tensor, what: str) -> None:
+    """Every rank's host tensor ``mine`` (same size everywhere) into ``output``, rank-major, as control traffic,
+    agreed first (collective)."""
+    check_collective("host_reduction", _HOST_ALL_GATHER * 1000 + mine.numel())
+    all_gather_into(output, mine, control_group(), async_op=False, what=what)
+
+
+def all_reduce_host(values: list[float], op=dist.ReduceOp.SUM, what: str = "a reduction over ranks") -> list[float]:
+    """``values`` (numbers on the host: metrics, counts) reduced over every rank, as control traffic: no
+    device tensor, no host-device sync, agreed first like every collective of ours (collective)."""
+    if not is_distributed():
+        return list(values)
+    check_collective("host_reduction", _HOST_ALL_REDUCE * 1000 + len(values))
+    t = torch.tensor(values, dtype=torch.float64)
+    run_and_wait(dist.all_reduce, t, op=op, group=control_group(), what=what)
+    return t.tolist()
 
 
 def barrier() -> None:

@@ -10,13 +10,10 @@ Buffer lifetimes (N = shard group size, P = padded numel of the group)::
                all-gather, freed by reshard (storage resized to 0). Module parameters are views of it
                (no copy-out). The storage object itself survives, so tensors autograd saved in forward
                point at valid memory again once backward re-gathers into it. ZeRO-1/2
-               (``keep_gathered``): never freed; refilled by the first unshard after the shard changed
-               (an optimizer step, a synced backward, a load: see ``refresh_due``).
+               (``keep_gathered``): never freed; refilled by the first unshard after the ranks agreed
+               the shards changed (an optimizer step, a synced backward, a load: see ``refresh_due``).
     grad flat  P elements, reduce dtype. Packed from the unit's gradients in backward, consumed by one
                reduce-scatter, freed when that finishes.
-    header     room after ``gathered``, ``grad flat`` and ``grad shard`` for the collective's in-band
-               fingerprint, where it has one (``fingerprint``: group_fingerprint.py decides the room;
-               the data path only leaves it).
     grad shard P/N elements. The reduce-scatter output (reduction.py); the sink makes each parameter's
                ``.grad`` a view of it.
                ZeRO-1 (``all_reduce_grads``): the whole all-reduced gradient (P) stays alive behind these
@@ -38,8 +35,7 @@ from shardwise.engine.base.cpu_offload import CPUOffload
 from shardwise.engine.base.mixed_precision import MixedPrecision
 from shardwise.engine.base.plan import FlatGroupPlan
 from shardwise.engine.base.strategy import ProcessGroups, Strategy
-from shardwise.engine.checks.fingerprint import CollectiveChecker, Stamp
-from shardwise.engine.checks.group_fingerprint import GroupFingerprint
+from shardwise.engine.checks.fingerprint import CollectiveChecker
 from shardwise.engine.core import grad_usage, reduction
 from shardwise.engine.base.torch_internals import resize_storage, version_counter
 from shardwise.engine.core.seams import GradSink, ParamFactory
@@ -51,20 +47,6 @@ class GatherState(enum.Enum):
     GATHERING = "gathering"  # all-gather issued, not yet waited on
     GATHERED = "gathered"
     FAILED = "failed"  # the all-gather's wait raised before it completed: the buffer is never freed or reused
-
-
-class Unchecked:
-    """How a flat group's collectives go when they are not fingerprinted (``SHARDWISE_CHECK_COLLECTIVES=0``):
-    no room, no stamp, a plain wait. ``checks.group_fingerprint.GroupFingerprint`` has the same four names."""
-
-    checker: Optional[CollectiveChecker] = None
-    room_gathered = room_grad_flat = room_grad_shard = 0
-
-    def announce(self, op: str, numel: int, dtype: torch.dtype) -> Optional[Stamp]:
-        return None
-
-    def wait(self, work, what: str, stamp: Optional[Stamp], buffer: Optional[torch.Tensor]) -> None:
-        collectives.wait(work, what=what)
 
 
 class FlatGroup:
@@ -104,15 +86,10 @@ class FlatGroup:
             self.local_slices.append((lo, hi, spec.offset + lo - start if hi > lo else 0))
         # The autograd input of this group's UnshardParams (unit.py): an empty leaf that needs a gradient.
         self.grad_anchor = torch.empty(0, device=device, requires_grad=True)
-        # How this group's collectives are fingerprinted, and the room they need after the data.
-        self.fingerprint: "Unchecked | GroupFingerprint" = Unchecked()
         self.shard_params: list[nn.Parameter] = []  # the user-facing parameters (the factory's), in plan order
         self._allocate(plan.dtype, [None] * len(plan.params))
-        if checker is not None:
-            self._make_fingerprint()
         self._gather_work = None
         self._gather_src: Optional[torch.Tensor] = None  # keeps a cast/moved shard alive during the collective
-        self._gather_stamp: Optional[Stamp] = None
         self._unsynced_grad: Optional[torch.Tensor] = None  # no_sync accumulation, unsharded, reduce dtype
         self._unsynced_used: Optional[list[bool]] = None  # which parameters it holds a gradient of (grad_usage.py)
         # Which parameters this rank's reductions handed out a gradient of since the last synced backward ended:
@@ -164,7 +141,11 @@ class FlatGroup:
             self._make_gathered_alias()
         # ZeRO-1/2 keep the gathered buffer across steps (nothing to keep when it is the shard itself).
         self.keep_gathered = self.strategy.keeps_params_gathered and not self.aliases_shard
-        self.refresh_due = True  # the gathered buffer does not hold the shard's current values
+        # ZeRO-1/2: the kept gathered buffer must be refilled at its next unshard. Set only where every rank
+        # sets it alike (ModelRuntime.agree_kept_copies, on the training thread), never mid-step.
+        self.refresh_due = True
+        self.written = False  # a signal, from any thread: something wrote the shards (an optimizer step, a load)
+        self._gathered_version: Optional[tuple] = None  # shard_version() when the kept buffer was filled
         if self.keep_gathered:
             _KEPT_GATHERED.add(self)
 
@@ -172,18 +153,15 @@ class FlatGroup:
         """Changes whenever the shard is written in place (optimizer step, load, user code under no_grad)."""
         return (version_counter(self.shard),) + tuple(self.factory.version(p) for p in self.shard_params)
 
-    def kept_copy_differs(self) -> bool:
-        """ZeRO-1/2, this rank's view: whether the kept gathered buffer no longer holds what gathering the
-        shards now would give, read from the values themselves (so a write through ``p.data``, which no
-        version counter sees, counts). Only ``ModelRuntime.agree_kept_copies`` asks, and it makes the
-        verdict the same on every rank; see [Note: one path decides the shards were written] there."""
-        if not (self.keep_gathered and self.state is GatherState.GATHERED) or self.refresh_due:
-            return self.keep_gathered and self.state is GatherState.GATHERED
-        mine = self.gathered.narrow(0, self.shard_start, self.plan.shard_numel)
-        shard = self.shard
-        if shard.device != mine.device or shard.dtype != mine.dtype:
-            shard = shard.to(device=mine.device, dtype=mine.dtype)
-        return not torch.equal(mine, shard)
+    def kept_copy_stale(self) -> bool:
+        """ZeRO-1/2, this rank's view, from host state only (no look at the values: that would be a
+        host-device sync every step): whether the kept gathered buffer may no longer hold the shards — a writer
+        said so (``written``: optimizer steps, loads, summon's writeback, a synced backward) or the shards'
+        version counters moved since it was filled (an in-place write through the parameters). Only
+        ``ModelRuntime.agree_kept_copies`` asks, and it makes the verdict the same on every rank."""
+        if not (self.keep_gathered and self.state is GatherState.GATHERED):
+            return False
+        return self.refresh_due or self.written or self.shard_version() != self._gathered_version
 
     def converted_dtype(self) -> Optional[torch.dtype]:
         """The floating dtype every shard parameter was converted to after shard() by ``model.to(dtype)``,
@@ -212,26 +190,20 @@ class FlatGroup:
         self.sink.convert(self, dtype)
         if self._unsynced_grad is not None:
             self._unsynced_grad = self._unsynced_grad.to(self.reduce_dtype)
-        if self.checker is not None:
-            self._make_fingerprint()  # the room depends on the new compute dtype
 
     def _make_gathered_alias(self) -> None:
-        """Collectives write through a second tensor on the gathered storage, the data plus the in-band
-        fingerprint's room: it has its own version counter, so refilling the buffer in backward does not trip
-        autograd's check that saved tensors (views of `gathered`) were not modified in place."""
-        numel = self.plan.padded_numel + self.fingerprint.room_gathered
+        """Collectives write through a second tensor on the gathered storage: it has its own version counter,
+        so refilling the buffer in backward does not trip autograd's check that saved tensors (views of
+        `gathered`) were not modified in place."""
         self.gathered_alias = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
-            self.gathered.untyped_storage(), 0, (numel,), (1,))
+            self.gathered.untyped_storage(), 0, (self.plan.padded_numel,), (1,))
         if self.state is not GatherState.GATHERED:
             resize_storage(self.gathered, 0)  # set_ grew the storage to fit: free it again
 
-    def _make_fingerprint(self) -> None:
-        """Fingerprint every collective of this group (group_fingerprint.py); the room it needs after the
-        data depends on the compute dtype."""
-        self.fingerprint = GroupFingerprint(self.checker, self.ids, self.pgs, self.device, self.param_dtype,
-                                            self.all_reduce_grads)
-        if not self.aliases_shard:
-            self._make_gathered_alias()
+    def announce(self, op: str, numel: int) -> None:
+        """A collective of this group is about to be issued: the ranks agree on it first (fingerprint.py)."""
+        if self.checker is not None:
+            self.checker.before_issue(op, *self.ids, numel)
 
     def _what(self, op: str) -> str:
         return f"{op} of unit {self.plan.unit_fqn or '<root>'!r} ({self.plan.dtype}, {self.plan.padded_numel} elements)"
@@ -254,18 +226,17 @@ class FlatGroup:
         return [g.narrow(0, s.offset, s.numel).view(s.shape) for s in self.plan.params]
 
     def gather_full(self) -> torch.Tensor:
-        """The whole group in its master dtype, in a new buffer (padding included): for state dicts and
-        summon_full_params. Fingerprinted like the unit's own all-gather."""
+        """The whole group in its master dtype, in a new buffer on the compute device (padding included): for
+        state dicts and summon_full_params. An offloaded shard is copied to the device for it (data groups
+        move device tensors: device.py)."""
+        shard = self.shard if self.shard.device == self.device else self.shard.to(self.device)
         if self.pgs.shard is None:
-            return self.shard.clone()
-        padded = self.plan.padded_numel
-        stamp = self.fingerprint.announce("all_gather", padded, self.plan.dtype)  # in band, or the side exchange
-        full = torch.empty(padded + (stamp.header.numel() if stamp else 0), dtype=self.plan.dtype,
-                           device=self.shard.device)
-        work = collectives.all_gather_into(full, self.shard, self.pgs.shard, async_op=True,
-                                           header=stamp.header if stamp else None)
-        self.fingerprint.wait(work, self._what("all_gather"), stamp, full)
-        return full.narrow(0, 0, padded)
+            return shard.clone() if shard is self.shard else shard
+        full = torch.empty(self.plan.padded_numel, dtype=self.plan.dtype, device=self.device)
+        self.announce("all_gather", self.plan.padded_numel)
+        work = collectives.all_gather_into(full, shard, self.pgs.shard, async_op=True)
+        collectives.wait(work, what=self._what("all_gather"), group=self.pgs.shard)
+        return full
 
     # ---- unshard / reshard ------------------------------------------------------------------------
     def begin_unshard(self) -> None:
@@ -276,7 +247,7 @@ class FlatGroup:
             self.state = GatherState.SHARDED  # ZeRO-1/2 after a step: refill the kept buffer
         if self.state is not GatherState.SHARDED:
             return
-        resize_storage(self.gathered, (self.plan.padded_numel + self.fingerprint.room_gathered) * self.param_dtype.itemsize)
+        resize_storage(self.gathered, self.plan.padded_numel * self.param_dtype.itemsize)
         src = self.shard
         if self.transfers is not None:
             src = self.transfers.shard_on_device(self)  # copied ahead on a side stream; waited here
@@ -287,19 +258,20 @@ class FlatGroup:
         if self.pgs.shard is None:
             self.gathered_alias.copy_(src)
         else:
-            stamp = self.fingerprint.announce("all_gather", self.plan.padded_numel, self.param_dtype)
-            self._gather_work = collectives.all_gather_into(
-                self.gathered_alias, src, self.pgs.shard, async_op=True, header=stamp.header if stamp else None)
-            self._gather_src, self._gather_stamp = src, stamp
+            self.announce("all_gather", self.plan.padded_numel)
+            self._gather_work = collectives.all_gather_into(self.gathered_alias, src, self.pgs.shard, async_op=True)
+            self._gather_src = src
         self.state = GatherState.GATHERING
-        self.refresh_due = False
+        if self.keep_gathered:
+            self.refresh_due = self.written = False
+            self._gathered_version = self.shard_version()
 
     def wait_unshard(self) -> None:
         if self.state is GatherState.GATHERING:
-            work, stamp = self._gather_work, self._gather_stamp
-            self._gather_work = self._gather_src = self._gather_stamp = None
+            work = self._gather_work
+            self._gather_work = self._gather_src = None
             try:
-                self.fingerprint.wait(work, self._what("all_gather"), stamp, self.gathered_alias)
+                collectives.wait(work, what=self._what("all_gather"), group=self.pgs.shard)
             except BaseException:
                 # A stalled or mismatched all-gather may still write into the buffer: never free it, and
                 # never wait on it a second time (a failed forward's always-called exit reshards).
@@ -328,9 +300,7 @@ class FlatGroup:
                 f"{frozen[0]!r}) were frozen after shard() while others in their flat group still train: they "
                 f"stay frozen and training is exact, but their zero gradients still travel in the unit's "
                 f"reduce-scatter; set requires_grad before shardwise.shard() to save that traffic", stacklevel=2)
-        # Without a shard group the grad flat is itself what the replicas all-reduce: room for that header.
-        buffer = torch.empty(self.plan.padded_numel + self.fingerprint.room_grad_flat, dtype=self.reduce_dtype, device=self.device)
-        flat = buffer.narrow(0, 0, self.plan.padded_numel)
+        flat = torch.empty(self.plan.padded_numel, dtype=self.reduce_dtype, device=self.device)
         used = [g is not None for g in grads]  # (None: no gradient reached that output: grad_usage.py)
         for spec, g in zip(self.plan.params, grads):
             dst = flat.narrow(0, spec.offset, spec.numel)
@@ -350,7 +320,7 @@ class FlatGroup:
             self._unsynced_grad, self._unsynced_used = flat, used
             self.sink.mark_unsynced(self, used)
             return None
-        return reduction.start(self, buffer, used)
+        return reduction.start(self, flat, used)
 
     # [Note: the no_sync accumulator follows p.grad] Under no_sync the gradient accumulates unsharded,
     # here, not in ``p.grad``. Its lifetime follows the handles the user holds: each trainable shard
@@ -370,12 +340,12 @@ _KEPT_GATHERED: "weakref.WeakSet[FlatGroup]" = weakref.WeakSet()
 
 
 def mark_kept_copies_stale() -> None:
-    """Any ``torch.optim.Optimizer`` step marks every kept gathered buffer for a refill at its next unshard
-    (the process-wide step post-hook, installed with the pre-hook in surface/optimizer_guard.py). All ranks
-    step together, so the verdict is the same on every rank (a rank-local signal such as the version
-    counters alone could make one rank all-gather while another does not)."""
+    """Any ``torch.optim.Optimizer`` step (the process-wide step post-hook, installed with the pre-hook in
+    surface/optimizer_guard.py) signals every kept gathered buffer as written. Only a signal: it may come from
+    the offload worker thread in the middle of a backward, so whether a buffer is refilled is decided by the
+    ranks together at the next top-level entry (ModelRuntime.agree_kept_copies), never here."""
     for g in list(_KEPT_GATHERED):
-        g.refresh_due = True
+        g.written = True
 
 
 def gathered_aliases_shard(shard_size: int, master_dtype: torch.dtype, compute_dtype: torch.dtype,

@@ -5,8 +5,8 @@ A parameter that no rank's backward reached in a step (an unused ``Linear``, a l
 momentum leave it alone. Its flat group still reduces it (the packed gradient holds zeros there), so each
 reduction records, per parameter, whether this rank packed a gradient for it (``UnshardParams`` hands over
 ``None`` for an output that got none; ``no_sync`` micro-batches fold theirs in). At the end of a synced
-backward the ranks OR these marks: one word per 62 parameters of the model, carried by the end-of-backward
-fingerprint exchange (``CollectiveChecker.agree``'s payload) or, with checks off, one small all-reduce. The
+backward the ranks OR these marks: one small all-gather of host words (62 parameters each) on the control
+group (base/device.py), agreed before it is issued like every control collective (checks/fingerprint.py). The
 sink then drops the gradients it started for parameters no rank used (core/seams.py, ``end_backward``);
 a parameter used on some rank only keeps the averaged gradient, zeros from the others, as DDP's
 ``find_unused_parameters`` gives.
@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from shardwise.engine.base import collectives
-from shardwise.engine.base.device import communication_device
-from shardwise.engine.base.strategy import ProcessGroups
+from shardwise.engine.base.device import control_group
 
 BITS = 62  # per int64 word: stays positive, so the words survive any integer exchange unchanged
 
@@ -44,34 +44,35 @@ def unpack(words: Sequence[int], n: int) -> list[bool]:
     return [bool((int(words[i // BITS]) >> (i % BITS)) & 1) for i in range(n)]
 
 
-def agree(marks: list[bool], checker, pgs: ProcessGroups) -> list[bool]:
-    """Every rank's ``marks`` ORed: through ``checker``'s end-of-backward exchange (which compares the
-    ranks' collectives in the same message), or, with checks off, one all-reduce per process group."""
+def agree(marks: list[bool], checker) -> list[bool]:
+    """Every rank's ``marks`` ORed at the end of a synced backward (see ``_ored``)."""
     if not marks:
-        if checker is not None:
-            checker.agree()
         return marks
-    if checker is not None and checker.group is not None:
-        table = checker.agree(payload=torch.tensor(pack(marks), dtype=torch.int64))
-        words = [0] * table.shape[1]
-        for row in table.tolist():
-            words = [w | r for w, r in zip(words, row)]
-        return unpack(words, len(marks))
-    return _summed(marks, None, pgs, "the agreement on which parameters got a gradient")
+    return _ored(marks, checker, "the agreement on which parameters got a gradient")
 
 
-def agree_now(marks: Sequence[bool], checker, pgs: ProcessGroups, unit: int, what: str) -> list[bool]:
+def agree_now(marks: Sequence[bool], checker, unit: int, what: str) -> list[bool]:
     """One reduction's marks ORed across ranks before its gradient is handed out, for a sink whose hand-out
-    acts on it at once (a post-accumulate-grad hook, an optimizer stepping in backward): agreed first like any
-    collective outside the unit schedule (``collectives.run_agreed``)."""
-    return _summed(marks, checker, pgs, what, unit)
+    acts on it at once (a post-accumulate-grad hook, an optimizer stepping in backward). Called from
+    ``reduction.finish`` on the training thread, never from the offload worker (collectives.py)."""
+    return _ored(marks, checker, what, unit)
 
 
-def _summed(marks: Sequence[bool], checker, pgs: ProcessGroups, what: str, unit: Optional[int] = None) -> list[bool]:
-    counts = torch.tensor(list(marks), dtype=torch.int32)
-    for group in (pgs.shard, pgs.replicate):
-        if group is not None:
-            counts = counts.to(communication_device(group))
-            collectives.run_agreed(checker, "grad_usage", collectives.all_reduce_sum, counts, group=group,
-                                   what=what, **({} if unit is None else {"unit": unit}))
-    return [bool(c) for c in counts.tolist()]
+def _ored(marks: Sequence[bool], checker, what: str, unit: Optional[int] = None) -> list[bool]:
+    """Control traffic: one all-gather of the packed marks (host words) on the control group over every rank,
+    agreed first like any collective outside the unit schedule (``collectives.run_agreed``: the exchange
+    before it has one size whatever each rank is doing, so a rank here and a rank in a tensor hook's
+    ``check_now`` meet in a named disagreement, never in collectives of two sizes). Every rank sends every
+    trainable group's marks, so the all-gather has the same size everywhere whatever ran."""
+    group = control_group()
+    if group is None:
+        return list(marks)
+    mine = torch.tensor(pack(marks), dtype=torch.int64)
+    world = dist.get_world_size()
+    everyone = torch.empty(world * mine.numel(), dtype=torch.int64)
+    collectives.run_agreed(checker, "grad_usage", collectives.all_gather_into, everyone, mine, group=group,
+                           what=what, **({} if unit is None else {"unit": unit}))
+    words = [0] * mine.numel()
+    for row in everyone.view(world, -1).tolist():
+        words = [w | r for w, r in zip(words, row)]
+    return unpack(words, len(marks))

@@ -26,7 +26,6 @@ import torch
 from shardwise.engine.base import collectives
 from shardwise.engine.base.torch_internals import resize_storage
 from shardwise.engine.core import grad_usage
-from shardwise.engine.checks.fingerprint import Stamp
 
 if TYPE_CHECKING:
     from shardwise.engine.core.flat_group import FlatGroup
@@ -37,13 +36,12 @@ class Reduction:
     """One group's gradient reduction; its fields say what is alive until ``finish``."""
 
     group: "FlatGroup" = dataclasses.field(repr=False)
-    out: torch.Tensor = dataclasses.field(repr=False)  # the reduced gradient shard, a view of out_buffer: what the .grad become views of
-    out_buffer: torch.Tensor = dataclasses.field(repr=False)  # ``out`` and room after it for the replica all-reduce's in-band fingerprint
+    out: torch.Tensor = dataclasses.field(repr=False)  # the reduced gradient shard: what the .grad become views of
     divide_after: int = 1  # what the sum is still divided by once complete (1: it was divided before: _divisors)
     op: str = ""  # the collective in flight over the shard group ("": none)
     work: Any = None  # its handle (None: none)
-    stamp: Optional[Stamp] = None  # its in-band fingerprint (None: none, or recorded for the side exchange)
-    sent: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)  # the packed gradient (and its header room) the collective works on
+    # the packed gradient the collective works on
+    sent: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
     frees_sent: bool = False  # finish frees ``sent`` (reduce-scatter; ZeRO-1's is the output itself)
     final: bool = True  # the group gets no other gradient in this backward (Unit.post_backward says)
     used: tuple = ()  # per parameter: whether this rank packed a gradient of it (grad_usage.py)
@@ -59,11 +57,11 @@ def _divisors(reduce_dtype: torch.dtype, data_parallel_size: int) -> tuple[int, 
 
 
 def start(group: "FlatGroup", buffer: torch.Tensor, used: Sequence[bool]) -> Reduction:
-    """Start reducing ``buffer`` (the group's packed gradient, padded numel, then its header room); ``used``:
-    which parameters this rank packed a gradient of."""
+    """Start reducing ``buffer`` (the group's packed gradient, padded numel); ``used``: which parameters this
+    rank packed a gradient of."""
     before, after = _divisors(group.reduce_dtype, group.pgs.data_parallel_size)
     if before != 1:
-        buffer.narrow(0, 0, group.plan.padded_numel).div_(before)
+        buffer.div_(before)
     if group.pgs.shard is None:
         r = _within_one_rank(group, buffer, after)
     elif group.all_reduce_grads:
@@ -75,27 +73,22 @@ def start(group: "FlatGroup", buffer: torch.Tensor, used: Sequence[bool]) -> Red
 
 
 def _within_one_rank(group: "FlatGroup", buffer: torch.Tensor, divide_after: int) -> Reduction:
-    # The packed gradient is itself what the replicas all-reduce: its header room is theirs.
-    return Reduction(group, buffer.narrow(0, 0, group.plan.padded_numel), buffer, divide_after)
+    return Reduction(group, buffer, divide_after)  # the packed gradient is itself what the replicas all-reduce
 
 
 def _all_reduce_whole(group: "FlatGroup", buffer: torch.Tensor, divide_after: int) -> Reduction:
     # ZeRO-1: every rank gets the whole summed gradient; its gradient shard is a view of its chunk.
-    stamp = group.fingerprint.announce("all_reduce", group.plan.padded_numel, group.reduce_dtype)
-    work = collectives.all_reduce_sum(buffer, group.pgs.shard, async_op=True, header=stamp.header if stamp else None)
-    return Reduction(group, buffer.narrow(0, group.shard_start, group.plan.shard_numel), buffer, divide_after,
-                     op="all_reduce", work=work, stamp=stamp, sent=buffer)
+    group.announce("all_reduce", group.plan.padded_numel)
+    work = collectives.all_reduce_sum(buffer, group.pgs.shard, async_op=True)
+    return Reduction(group, buffer.narrow(0, group.shard_start, group.plan.shard_numel), divide_after,
+                     op="all_reduce", work=work, sent=buffer)
 
 
 def _reduce_scatter(group: "FlatGroup", buffer: torch.Tensor, divide_after: int) -> Reduction:
-    out_buffer = torch.empty(group.plan.shard_numel + group.fingerprint.room_grad_shard, dtype=group.reduce_dtype,
-                             device=group.device)
-    out = out_buffer.narrow(0, 0, group.plan.shard_numel)
-    stamp = group.fingerprint.announce("reduce_scatter", group.plan.padded_numel, group.reduce_dtype)
-    work = collectives.reduce_scatter_into(out, buffer, group.pgs.shard, async_op=True,
-                                           header=stamp.header if stamp else None)
-    return Reduction(group, out, out_buffer, divide_after, op="reduce_scatter", work=work, stamp=stamp, sent=buffer,
-                     frees_sent=True)
+    out = torch.empty(group.plan.shard_numel, dtype=group.reduce_dtype, device=group.device)
+    group.announce("reduce_scatter", group.plan.padded_numel)
+    work = collectives.reduce_scatter_into(out, buffer, group.pgs.shard, async_op=True)
+    return Reduction(group, out, divide_after, op="reduce_scatter", work=work, sent=buffer, frees_sent=True)
 
 
 def finish(r: Reduction, discard: bool = False) -> None:
@@ -103,7 +96,7 @@ def finish(r: Reduction, discard: bool = False) -> None:
     backward that produced it raised)."""
     g = r.group
     if r.work is not None:
-        g.fingerprint.wait(r.work, g._what(r.op), r.stamp, r.sent)
+        collectives.wait(r.work, what=g._what(r.op), group=g.pgs.shard)
     if r.frees_sent:
         # Its memory is freed now: collectives keep the finished work (and so this tensor) referenced for
         # a while ([Note: a gloo worker must never free a Python object] in collectives.py).
@@ -112,18 +105,15 @@ def finish(r: Reduction, discard: bool = False) -> None:
     if discard:
         return
     if g.pgs.replicate is not None:
-        stamp = g.fingerprint.announce("all_reduce", r.out.numel(), r.out.dtype)
-        if stamp is None:
-            work = collectives.all_reduce_sum(r.out, g.pgs.replicate, async_op=True)
-        else:
-            work = collectives.all_reduce_sum(r.out_buffer, g.pgs.replicate, async_op=True, header=stamp.header)
-        g.fingerprint.wait(work, g._what("all_reduce"), stamp, r.out_buffer)
+        g.announce("all_reduce", r.out.numel())
+        work = collectives.all_reduce_sum(r.out, g.pgs.replicate, async_op=True)
+        collectives.wait(work, what=g._what("all_reduce"), group=g.pgs.replicate)
     if r.divide_after != 1:
         r.out.div_(r.divide_after)
     g.used_this_backward = grad_usage.either(g.used_this_backward, r.used)  # (agreed at the end of backward)
     used = None
     if g.sink.wants_usage_at_hand_out(g):  # (its hand-out runs hooks or steps at once: agreed now)
-        used = grad_usage.agree_now(r.used, g.checker, g.pgs, g.ids[0],
+        used = grad_usage.agree_now(r.used, g.checker, g.ids[0],
                                     f"the agreement on which parameters of unit {g.plan.unit_fqn or '<root>'!r} "
                                     f"got a gradient, before its hand-out")
     g.sink.deliver(g, r.out, r.final, used)  # to .grad (through the host under CPU offload): seams.py

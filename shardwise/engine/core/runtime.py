@@ -15,9 +15,11 @@ from collections import deque
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise.engine.base import collectives, watchdog
+from shardwise.engine.base.device import control_group
 from shardwise.engine.core import grad_usage, reduction
 from shardwise.engine.core.reduction import Reduction
 from shardwise.engine.base.mixed_precision import MixedPrecision
@@ -30,13 +32,19 @@ from shardwise.engine.core.copy_refusal import refuse_deepcopy, refuse_pickle
 from shardwise.errors import ShardwiseError
 
 
+KEPT_STALE, BUFFERS_CHANGED = 1, 2  # what a rank says at a forward's start; the ranks OR them
+
+
 class ModelRuntime:
     """State shared by all units of one sharded model: phase, forward order, pending reductions."""
 
-    MAX_PENDING_REDUCES = 2  # reductions left in flight while backward goes on (add_pending finishes older ones)
-    # Unsharded gradient flats alive at once: the pending ones plus the one being packed, which
-    # FlatGroup.reduce_grads allocates before add_pending finishes the oldest (what the planner counts).
-    MAX_GRAD_FLATS_ALIVE = MAX_PENDING_REDUCES + 1
+    # Reductions left in flight while backward goes on: one overlaps the next unit's backward (FSDP2's
+    # schedule); each one more holds another flat of the widest unit (measured: 52 MB at gpt-170m, 2 ranks).
+    MAX_PENDING_REDUCES = 1
+    # Unsharded gradient flats alive at once (what the planner counts): make_room_for_reduction finishes the
+    # oldest reduction before FlatGroup.reduce_grads allocates the next flat, so the one being packed is
+    # one of the MAX_PENDING_REDUCES.
+    MAX_GRAD_FLATS_ALIVE = MAX_PENDING_REDUCES
 
     def __init__(self, strategy: Strategy, groups: ProcessGroups, mixed_precision: MixedPrecision, prefetch: bool,
                  *, plan=None, state_dict_keys: Optional[list[str]] = None, device: Optional[torch.device] = None,
@@ -57,9 +65,10 @@ class ModelRuntime:
         self._on_track = False  # this forward so far matches the recorded order
         self._pending: deque[Reduction] = deque()
         self.transfers = transfers  # offload_transfers.OffloadTransfers, under CPU offload
-        # Every collective of the model fingerprinted (fingerprint.py), when the check is on.
-        self.checker = CollectiveChecker([u.label for u in plan.units], lambda: self.phase.value,
-                                         lambda: self.forward_count) if check_collectives else None
+        # Every collective of the model agreed before it is issued (fingerprint.py), when the check is on.
+        self.checker = CollectiveChecker([u.label for u in plan.units], lambda: self.phase.value) \
+            if check_collectives and groups.data_parallel_size > 1 else None
+        self.buffers = None  # buffer_broadcast.BufferBroadcast, when rank 0's buffers are broadcast
         self.plan = plan  # plan.ShardingPlan: the units, groups and parameters (checkpoints read it)
         self.state_dict_keys = state_dict_keys  # the model's state_dict names before sharding (state_dict.py)
         self.device = device  # the compute device
@@ -76,16 +85,26 @@ class ModelRuntime:
 
     # ---- forward order and prefetch ---------------------------------------------------------------
     def begin_forward(self) -> None:
-        """A top-level forward of the root starts a step."""
+        """A top-level forward of the root starts a step: the ranks agree that it does, with or without grad
+        (its start exchange), on whether kept copies are refilled and on whether buffers are broadcast."""
         self.settle()
         self.forward_count += 1
         watchdog.note_step()  # "outside shardwise since step N" in a stall report
         for fn in self.before_forward:
             fn()
-        self.agree_kept_copies()
+        buffers_changed = self.buffers is not None and self.buffers.before_forward()
+        mine = self._kept_stale_flag() | (BUFFERS_CHANGED if buffers_changed else 0)
+        kind = "forward" if torch.is_grad_enabled() else "forward without grad"
+        if self.checker is not None:
+            agreed = self.checker.begin_phase(kind, mine)
+        else:
+            agreed = self._or_over_ranks(mine) if self._has_kept or self.buffers is not None else mine
         self.phase = Phase.FORWARD
         self._recording = []
         self._on_track = True
+        self._refresh_kept(agreed)
+        if self.buffers is not None and agreed & BUFFERS_CHANGED:
+            self.buffers.broadcast()
 
     def record_and_next(self, unit: Unit) -> Optional[Unit]:
         """Note that ``unit`` runs now; return the unit expected to run next (to prefetch), if known."""
@@ -105,20 +124,19 @@ class ModelRuntime:
         self._last_index = {id(u): i for i, u in enumerate(self._order)}
         self._recording = []
         self.phase = Phase.IDLE
+        if self.checker is not None:
+            self.checker.end_phase()
         if not grad_enabled:
             for u in self.units:  # a prefetched unit that did not run must not stay gathered
                 if not u.frames:
                     u.reshard()
-        if self.checker is not None:
-            # Under native collectives this forward's out-of-band fingerprints are compared now, before its
-            # outputs reach the caller (free in band: nothing was logged). With grad too: a backward may never
-            # follow (a metric computed under grad, then zero_grad()), and its compare would come too late.
-            self.checker.agree("the consistency exchange at the end of a forward")
 
     def abandon_forward(self) -> None:
         """The top-level forward raised: its graph is gone, so no backward will come for what it ran."""
         self._recording = []
         self.phase = Phase.IDLE
+        if self.checker is not None:
+            self.checker.end_phase()
         for u in self.units:
             if not u.frames:
                 u.owed_backwards = 0
@@ -139,6 +157,13 @@ class ModelRuntime:
         if self.phase is not Phase.BACKWARD:
             self.phase = Phase.BACKWARD
             call_after_backward(self.end_backward)  # once, after the last node of this backward pass
+            if self.checker is not None:
+                self.checker.begin_phase("backward")
+
+    def make_room_for_reduction(self) -> None:
+        """Finish the oldest reductions until one more may start: called before its flat is allocated."""
+        while len(self._pending) >= self.MAX_PENDING_REDUCES:
+            reduction.finish(self._pending.popleft())
 
     def add_pending(self, pending: Reduction) -> None:
         self._pending.append(pending)
@@ -157,17 +182,19 @@ class ModelRuntime:
             for u in self.units:
                 for g in u.flat_groups:
                     if g.has_unsynced_grad():
+                        self.make_room_for_reduction()
                         self.add_pending(g.reduce_grads([None] * len(g.plan.params), sync=True))
             self.finish_pending()
             # ZeRO-1/2: the optimizer step that follows a synced backward changes the shards; refill the kept
             # parameters at the next unshard (also caught by an optimizer-step hook, but not every
-            # optimizer is a torch.optim.Optimizer, and this verdict is the same on every rank).
+            # optimizer is a torch.optim.Optimizer).
             self.shards_written()
         if self.transfers is not None:
             self.transfers.end_backward()  # every offloaded gradient on the host and handed out
-        # Before backward returns, so no gradient reaches an optimizer unchecked: the fingerprint compare, with
-        # which parameters any rank gave a gradient folded in after a synced backward (grad_usage.py).
-        usage = self._agree_usage() if self.require_grad_sync else self._agree_only()
+        # Before backward returns, so no optimizer sees a gradient of a parameter no rank used (grad_usage.py).
+        usage = self._agree_usage() if self.require_grad_sync else {}
+        if self.checker is not None:
+            self.checker.end_phase()
         for g in self.flat_groups():
             # Drops the gradients of parameters no rank used; (the surface's sink: then the gradients that
             # reached a parameter directly, a penalty).
@@ -180,15 +207,10 @@ class ModelRuntime:
                 u.reshard()
         self.phase = Phase.IDLE
 
-    def _agree_only(self) -> dict:
-        if self.checker is not None:
-            self.checker.agree()
-        return {}
-
     def _agree_usage(self) -> dict[int, list[bool]]:
         """id(group) -> which of its parameters any rank's reductions gave a gradient since the last synced
         backward, for every group that reduced; every trainable group's marks travel, so the exchange has
-        the same size on every rank whatever ran."""
+        the same size on every rank whatever ran (grad_usage.py: agreed, on the control group)."""
         groups = [g for g in self.flat_groups() if g.plan.requires_grad]
         marks, reduced = [], {}
         for g in groups:
@@ -197,9 +219,8 @@ class ModelRuntime:
             if used is not None:
                 reduced[id(g)] = used
         if self.pgs.data_parallel_size == 1:
-            self._agree_only()
             return reduced
-        agreed = grad_usage.agree(marks, self.checker, self.pgs)
+        agreed = grad_usage.agree(marks, self.checker)
         at = 0
         for g in groups:
             n = len(g.plan.params)
@@ -210,31 +231,52 @@ class ModelRuntime:
 
     # [Note: one path decides the shards were written] ZeRO-1/2 keep each unit's gathered parameters
     # across steps, so the kept copy goes stale whenever a shard is written: an optimizer step, a load
-    # (state dict, checkpoint, load_pretrained), summon_full_params' writeback, or user code (an EMA swap or
-    # pruning through ``p.data``, which no version counter sees). Refilling is an all-gather, so the verdict
-    # must be the same on every rank of the shard group, or one rank gathers while another does not and gloo
-    # aborts. So the verdict has one source, taken at every top-level entry (``agree_kept_copies``): each
-    # rank compares its kept chunk with its shard (plus ``refresh_due``, set alike on every rank by
-    # ``shards_written`` and optimizer steps), and one small all-reduce ORs the answers. Writers need not
-    # announce themselves, and none can bypass it.
+    # (state dict, checkpoint, load_pretrained), summon_full_params' writeback, user code writing through
+    # the parameters. Refilling is an all-gather, so the verdict must be the same on every rank of the shard
+    # group, or one rank gathers while another does not. So the verdict has one source, taken on the
+    # training thread at every top-level entry: each rank's view from host state (``kept_copy_stale``:
+    # writers' signals and version counters; never the values, which would be a host-device sync every
+    # step) goes into the forward's start exchange, and the OR over the ranks sets ``refresh_due``. A
+    # writer on another thread (the offload worker's optimizer steps) only raises a signal, read at the next
+    # entry: whether a unit re-gathers never depends on when a thread ran.
     def agree_kept_copies(self) -> None:
-        kept = [g for g in self.flat_groups() if g.keep_gathered]
-        if not kept:
+        """The verdict for a unit entered on its own, outside a root forward (one exchange)."""
+        if not self._has_kept:
             return
-        stale = torch.tensor([float(g.kept_copy_differs()) for g in kept], device=self.device)
-        if self.pgs.shard is not None:
-            collectives.run_agreed(self.checker, "kept_copy_agreement", collectives.all_reduce_sum, stale,
-                                   group=self.pgs.shard, what="the agreement on stale kept parameters")
-        for g, n in zip(kept, stale.tolist()):
-            if n:
-                g.refresh_due = True
+        mine = self._kept_stale_flag()
+        if self.checker is not None:
+            agreed = self.checker.check_now("kept_copy_agreement", 0, flags_=mine)
+        else:
+            agreed = self._or_over_ranks(mine)
+        self._refresh_kept(agreed)
+
+    @property
+    def _has_kept(self) -> bool:
+        return any(g.keep_gathered for g in self.flat_groups())
+
+    def _kept_stale_flag(self) -> int:
+        return KEPT_STALE if any(g.kept_copy_stale() for g in self.flat_groups()) else 0
+
+    def _refresh_kept(self, agreed: int) -> None:
+        if agreed & KEPT_STALE:
+            for g in self.flat_groups():
+                if g.keep_gathered:
+                    g.refresh_due = True
+
+    def _or_over_ranks(self, mine: int) -> int:
+        """The OR of every rank's ``mine`` (collectives unchecked: no exchange carries it)."""
+        if self.pgs.data_parallel_size == 1:
+            return mine
+        bits = torch.tensor([mine & KEPT_STALE, mine & BUFFERS_CHANGED], dtype=torch.int64)
+        collectives.run_and_wait(dist.all_reduce, bits, op=dist.ReduceOp.MAX, group=control_group(),
+                                 what="the agreement on kept copies and buffers")
+        return sum(bits.tolist())
 
     def shards_written(self) -> None:
         """The shards were (or are about to be) written: gathered parameters kept across steps (ZeRO-1/2) are
-        refilled at their next unshard. Called on every rank alike (loads, end of a synced backward)."""
-        for u in self.units:
-            for g in u.flat_groups:
-                g.refresh_due = True
+        refilled at the next top-level entry. Called on every rank alike (loads, end of a synced backward)."""
+        for g in self.flat_groups():
+            g.written = True
 
     def settle(self) -> None:
         """Between steps: recover if the last forward or backward raised (see [Note: recovery]); follow a
@@ -258,6 +300,8 @@ class ModelRuntime:
         for u in self.units:
             u.reset()
         self.phase = Phase.IDLE
+        if self.checker is not None:
+            self.checker.end_phase()
 
     # ---- invariants -------------------------------------------------------------------------------
     def invariant_violations(self) -> list[str]:

@@ -405,13 +405,17 @@ class Unit:
         _refuse_double_backward(self.label)
         _refuse_written_since_forward(group, ticket.versions[self.flat_groups.index(group)], self.label)
         m.begin_backward()
-        pending = group.reduce_grads(grads, sync=m.require_grad_sync)
-        if pending is not None:
-            pending.final = self.owed_backwards <= 1  # no other forward of this unit still owes a backward
-            m.add_pending(pending)
+        final = self.owed_backwards <= 1  # no other forward of this unit still owes a backward
         ticket.remaining -= 1
         if ticket.remaining == 0:
+            # Every gradient of the unit is computed, so nothing reads its parameters any more: free them
+            # before the gradients are packed, not after (one gathered unit less at that moment).
             self.backward_done()
+        m.make_room_for_reduction()  # the oldest flat freed before this one is allocated
+        pending = group.reduce_grads(grads, sync=m.require_grad_sync)
+        if pending is not None:
+            pending.final = final
+            m.add_pending(pending)
 
     def backward_done(self) -> None:
         """One forward's backward is complete; free the parameters once no other forward still owes one."""

@@ -28,6 +28,15 @@ class PieceGradSink(GradSink):
     def __init__(self, transfers=None, on_direct_grad: Optional[Callable[[], None]] = None):
         super().__init__(transfers)
         self.direct = DirectGrads(on_direct_grad)  # gradients that reach the parameters directly (a penalty)
+        self._full: Optional[torch.Tensor] = None  # the whole gradient for tensor hooks, gathered by deliver
+
+    def deliver(self, group, grad_shard: torch.Tensor, final: bool, used=None) -> None:
+        # The tensor hooks' gradient gather is a collective: issued here, on the training thread, never on the
+        # offload worker thread that may run ``accumulate`` (collectives.py: one issuing thread).
+        with local_only():
+            hooked = has_tensor_hooks(group)
+        self._full = full_grad(group, grad_shard.to(group.plan.dtype)) if hooked else None
+        super().deliver(group, grad_shard, final, used)
 
     def set_grad(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
         """``grad``: this rank's elements (a plain 1-D tensor, kept as the piece's memory), a piece, or None."""
@@ -58,16 +67,13 @@ class PieceGradSink(GradSink):
     def accumulate(self, group, grad_shard: torch.Tensor, used=None) -> None:
         """Give each trainable shard parameter its piece of ``grad_shard`` (a view, so grads stay one flat
         buffer), then run its post-accumulate-grad hooks as autograd would have; with ``used``, only the
-        parameters some rank used get either."""
+        parameters some rank used get either. No collective here: under CPU offload this runs on the offload
+        worker thread (``deliver`` gathered the tensor hooks' gradient and ``reduction.finish`` agreed
+        ``used`` on the training thread)."""
         with local_only():
             self.begin_hand_outs(group)
-            post_hooked = any(post_accumulate_grad_hooks(p) for p in group.shard_params)
-            tensor_hooked = has_tensor_hooks(group)
-        if group.checker is not None and post_hooked:
-            # Optimizer in backward: a hook may step now, so the ranks agree first (fingerprint.py).
-            group.checker.agree("the consistency exchange before a post-accumulate-grad hook")
         grad_shard = like_shard(group, grad_shard)
-        full = full_grad(group, grad_shard) if tensor_hooked else None  # (param_hooks.py)
+        full, self._full = self._full, None  # (deliver gathered it)
         for i, (p, (lo, hi, at), spec) in enumerate(zip(group.shard_params, group.local_slices, group.plan.params)):
             with local_only():
                 trainable, hooked = p.requires_grad, full is not None and bool(tensor_hooks(p))

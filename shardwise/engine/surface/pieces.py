@@ -31,6 +31,7 @@ import threading
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from shardwise.engine.checks.fingerprint import PICKLE_PIECES
 from shardwise.engine.surface.layout import Layout
@@ -70,6 +71,8 @@ class Piece(torch.Tensor):
         handler = _BY_OBJECT.get(func)
         if handler is not None:
             return handler(*args, **kwargs)
+        if func in _COLLECTIVES:
+            _refuse_collective(func, args, kwargs)
         if _routes is not None and torch.is_grad_enabled() and not _about_the_object(func):
             args, kwargs = _routes(args, kwargs)
         outer = _CALL.name is None
@@ -205,6 +208,29 @@ _ABOUT_THE_OBJECT = {getattr(torch.Tensor, n) for n in (
     "__hash__", "__dir__", "__iter__") if hasattr(torch.Tensor, n)}
 
 
+
+
+# torch.distributed's collectives on a piece (they call __torch_function__ since torch 2.4): a piece's elements
+# differ in number by rank, and user traffic on shardwise's tensors is unagreed (fingerprint.py). Refused on
+# every rank alike, before any traffic.
+_COLLECTIVES = {getattr(dist, n) for n in (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "all_to_all", "all_to_all_single",
+    "gather", "scatter", "send", "recv", "isend", "irecv") if hasattr(dist, n)}
+
+
+def _refuse_collective(func, args, kwargs) -> None:
+    """A collective on a piece of a sharded tensor is refused by name (a whole one, under no_shard, runs)."""
+    found = []
+    for a in list(args) + list(kwargs.values()):
+        found += [t for t in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(t, Piece)]
+    if any(not t._layout.is_whole for t in found):
+        name = getattr(func, "__name__", str(func))
+        raise ShardwiseError(
+            f"torch.distributed.{name} on a sharded parameter or its gradient: each rank holds its own elements of "
+            f"the whole, a different number on another rank, and a gradient is already averaged over the ranks by "
+            f"shardwise (p.grad needs no all_reduce); reduce it with torch's own functions (p.grad.norm(), .sum(): "
+            f"exact over the ranks) or read whole values with shardwise.summon_full_params / full_state_dict")
 
 
 def _about_the_object(func) -> bool:

@@ -166,6 +166,17 @@ def set_grad(p, value) -> None:
         p.grad = value
 
 
+def get_data(p) -> torch.Tensor:
+    """``p.data`` read: an in-place write through it (an EMA swap, pruning) moves no version counter the core
+    reads, so the group is signalled as written (core/flat_group.py: ZeRO-1/2 refill their kept copy at the
+    next top-level entry; a read alone costs one all-gather there)."""
+    where = where_of(p)
+    if where is not None and where[0] is not None:
+        where[0].written = True
+    with local_only():
+        return p.data
+
+
 def set_data(p, value) -> None:
     """``p.data = value`` on a piece (see the module docstring)."""
     with local_only():
@@ -294,7 +305,8 @@ def _autograd_backward(tensors, grad_tensors=None, retain_graph=None, create_gra
 
 
 pieces.register({torch.autograd.grad: _autograd_grad, torch.autograd.backward: _autograd_backward,
-                 torch.Tensor.grad.__set__: set_grad, torch.Tensor.data.__set__: set_data}, route)
+                 torch.Tensor.grad.__set__: set_grad, torch.Tensor.data.__get__: get_data,
+                 torch.Tensor.data.__set__: set_data}, route)
 
 
 @functools.lru_cache(maxsize=None)
