@@ -168,10 +168,11 @@ def test_without_sharding_the_gathered_buffer_is_the_shard():
     assert r["in_forward"] == [(b, "torch.float32") for b in full]
 
 
-# The ranks' agreements before the collectives (checks/fingerprint.py): 10 int64 per rank, gathered.
-EXCHANGE = {("all_gather_into", 2 * 10, "torch.int64")}
-# Once per synced backward the ranks OR which parameters got a gradient (core/grad_usage.py): one int64 word
-# per rank (the model's 4 parameters) gathered on the control group, after an EXCHANGE agreed on it (checks on).
+# The ranks' agreements before the collectives (checks/fingerprint.py): 25 int64 per rank, gathered. Once per
+# synced backward the ranks OR which parameters got a gradient (core/grad_usage.py): with checks on, the OR
+# rides in one such exchange (the model's 4 parameters: one word of its 16 flag words).
+EXCHANGE = {("all_gather_into", 2 * 25, "torch.int64")}
+# With checks off: one int64 word per rank gathered on the control group.
 USAGE = {("all_gather_into", 2 * 1, "torch.int64")}
 
 
@@ -193,7 +194,7 @@ def test_gradient_buffers_per_strategy(strategy, grad_numel, collectives):
         numel = _padded(n, 2) // 2 if grad_numel == "shard" else _padded(n, ranks)
         assert grads == [(numel * 4, "torch.float32")], (n, grads)
     expected = {(op, _padded(n, ranks), "torch.float32") for n in GROUP_NUMELS for op in collectives}
-    assert set(map(tuple, r["collectives"])) == expected | EXCHANGE | USAGE
+    assert set(map(tuple, r["collectives"])) == expected | EXCHANGE
 
 
 def test_mixed_precision_gathers_in_the_compute_dtype_and_reduces_in_the_reduce_dtype():
@@ -207,7 +208,7 @@ def test_mixed_precision_gathers_in_the_compute_dtype_and_reduces_in_the_reduce_
         assert r["in_forward"] == [(_padded(n, 2) * 2, "torch.bfloat16") for n in GROUP_NUMELS]
         assert set(map(tuple, r["collectives"])) == (
             {("all_gather_into", _padded(n, 2), "torch.bfloat16") for n in GROUP_NUMELS}
-            | {("reduce_scatter_into", _padded(n, 2), reduce_dtype) for n in GROUP_NUMELS} | EXCHANGE | USAGE)
+            | {("reduce_scatter_into", _padded(n, 2), reduce_dtype) for n in GROUP_NUMELS} | EXCHANGE)
         assert r["grad"] == [[(_padded(n, 2) // 2 * 4, "torch.float32")] for n in GROUP_NUMELS]
     assert fs["after_backward"] == [0, 0]
     assert z2["after_backward"] == [_padded(n, 2) * 2 for n in GROUP_NUMELS]
