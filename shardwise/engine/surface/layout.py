@@ -14,7 +14,6 @@ get pickled and deep-copied, process groups cannot be. Key 0: a group of one ran
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,8 +24,12 @@ Runs = tuple[tuple[int, int], ...]
 
 # key -> (shard process group, device its collectives run on)
 _GROUPS: dict[int, tuple] = {}
-# key -> weak reference to the fingerprint.CollectiveChecker of the model whose pieces carry the key
-_CHECKERS: dict[int, weakref.ref] = {}
+# key -> the fingerprint.CollectiveChecker of the model whose pieces carry the key. Held for the life of the
+# process (a checker is small and holds no reference to its model): a piece that outlives its model (a clone,
+# an EMA copy, a parameter list kept for a comparison) must agree through the same checker on every rank, and
+# a weak reference would die at each rank's own garbage-collection time, so one rank would agree before a
+# collective and another would not (a hang).
+_CHECKERS: dict[int, object] = {}
 
 
 def register_group(group: dist.ProcessGroup, device: torch.device, checker=None) -> int:
@@ -38,7 +41,7 @@ def register_group(group: dist.ProcessGroup, device: torch.device, checker=None)
     key = len(_GROUPS) + 1
     _GROUPS[key] = (group, device)
     if checker is not None:
-        _CHECKERS[key] = weakref.ref(checker)
+        _CHECKERS[key] = checker
     return key
 
 
@@ -48,8 +51,7 @@ def group_of(key: int) -> tuple:
 
 
 def checker_of(key: int):
-    ref = _CHECKERS.get(key)
-    return ref() if ref is not None else None
+    return _CHECKERS.get(key)
 
 
 def same_group(a: int, b: int) -> bool:
