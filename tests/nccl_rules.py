@@ -41,6 +41,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from shardwise.engine.surface.pieces import Piece, local_of
+
 DEVICE = torch.device("cpu", 0)  # the accelerator's stand-in: the index is what tells it from the host
 BACKEND = "nccl_rules"  # device tensors only, like NCCL
 HOST_BACKEND = "host_rules"  # host tensors only, like shardwise's control groups should carry
@@ -53,8 +55,9 @@ class NcclRuleViolation(AssertionError):
 
 
 def kind(t: torch.Tensor) -> str:
-    """``"device"`` or ``"host"`` (storages made before the mode, or outside it, are host)."""
-    return getattr(t.untyped_storage(), _ATTR, "host")
+    """``"device"`` or ``"host"`` (storages made before the mode, or outside it, are host; a shardwise piece is
+    the kind of the elements it holds: it has no storage of its own)."""
+    return getattr(local_of(t).untyped_storage(), _ATTR, "host")
 
 
 def _tag(t: torch.Tensor, which: str) -> None:
@@ -84,6 +87,11 @@ class _TagOperations(TorchDispatchMode):
     """Tags the storage every operation makes; refuses operations mixing device and non-scalar host tensors."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, Piece) for t in types):
+            # A piece's own __torch_dispatch__ computes it from plain tensors: returning NotImplemented lets it
+            # run with this mode still on the stack, so the operations it makes (and the tensors they make, the
+            # buffers of its collectives) are tagged and checked as a GPU would hold them.
+            return NotImplemented
         kwargs = kwargs or {}
         name = func._schema.name
         inputs = _tensors(args, kwargs)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.engine.surface.pieces import local_only
+from shardwise.engine.surface.pieces import local_of
 
 GLOBAL_BATCH = 12  # divisible by every world size tested: 1, 2, 3, 4
 SEQ_LEN = 8
@@ -132,8 +132,7 @@ def sharded_param_errors(model: nn.Module, reference: nn.Module) -> dict[str, fl
         for g in unit.flat_groups:
             for spec, p, (lo, hi, _) in zip(g.plan.params, g.shard_params, g.local_slices):
                 ref = reference.get_parameter(spec.fqn).detach().reshape(-1)[lo:hi].to(torch.float64)
-                with local_only():  # this rank's piece as it is (a ShardParam's sums would span the ranks)
-                    mine = p.detach().to(torch.float64)
+                mine = local_of(p).detach().to(torch.float64)  # this rank's elements, as they are
                 assert mine.numel() == hi - lo, f"{spec.fqn}: shard piece has {mine.numel()} != {hi - lo} elements"
                 names.append(spec.fqn)
                 sq.append(torch.stack([(mine - ref).pow(2).sum(), ref.pow(2).sum()]))
@@ -416,8 +415,8 @@ def whole_model_rel_err(model: nn.Module, reference: nn.Module) -> float:
         for g in unit.flat_groups:
             for spec, p, (lo, hi, _) in zip(g.plan.params, g.shard_params, g.local_slices):
                 ref = reference.get_parameter(spec.fqn).detach().reshape(-1)[lo:hi].to(torch.float64)
-                with local_only():  # (see sharded_param_errors)
-                    diff += torch.stack([(p.detach().to(torch.float64) - ref).pow(2).sum(), ref.pow(2).sum()])
+                mine = local_of(p).detach().to(torch.float64)  # (see sharded_param_errors)
+                diff += torch.stack([(mine - ref).pow(2).sum(), ref.pow(2).sum()])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(diff)
     return math.sqrt(diff[0].item() / diff[1].item())

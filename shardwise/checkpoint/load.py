@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from shardwise.engine.checks import agree
+from shardwise.engine.surface.pieces import local_of
 from shardwise.checkpoint.format import dtype_from_name
 from shardwise.checkpoint.match import alias_map, check_model, decode_option, saved_name_of
 from shardwise.checkpoint.model_index import optimizer_param_names, persistent_buffers, unique_params
@@ -189,7 +190,7 @@ def _load_optimizer(manifest: dict, rt, optimizer: torch.optim.Optimizer, pieces
     saved = manifest["optimizer"]
     names = optimizer_param_names(rt, optimizer)
     alias_of = alias_map(manifest)
-    local_numel = {id(g.shard_params[i]): g.shard_params[i].numel() for _s, g, i in unique_params(rt)}
+    local_numel = {id(g.shard_params[i]): local_of(g.shard_params[i]).numel() for _s, g, i in unique_params(rt)}
     state: dict[int, dict] = {}
     groups = []
     index = 0

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise.engine.checks import agree
+from shardwise.engine.surface.pieces import local_of
 from shardwise.checkpoint.commit import write_commit_record
 from shardwise.checkpoint.frozen_base import check_record
 from shardwise.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TMP_PREFIX, TRASH_PREFIX,
@@ -195,7 +196,7 @@ def _optimizer_pieces(fqn: str, shard_param: torch.Tensor, state: dict, tensors:
         if isinstance(value, torch.Tensor):
             if value.dim() == 0:
                 info["scalars"][name] = encode_scalar_tensor(value)
-            elif value.shape == shard_param.shape:
+            elif value.shape == local_of(shard_param).shape:
                 info["tensors"][name] = dtype_name(value.dtype)
                 if value.numel():
                     keys[name] = f"optim/{fqn}/{name}"
@@ -203,7 +204,7 @@ def _optimizer_pieces(fqn: str, shard_param: torch.Tensor, state: dict, tensors:
             else:
                 raise ShardwiseError(
                     f"optimizer state {name!r} of parameter {fqn!r} has shape {tuple(value.shape)}, neither a scalar "
-                    f"nor the shape of the parameter's shard {tuple(shard_param.shape)}: it cannot be resharded"
+                    f"nor the shape of the parameter's shard {tuple(local_of(shard_param).shape)}: it cannot be resharded"
                 )
         elif value is None or isinstance(value, (bool, int, float, str)):
             info["scalars"][name] = {"python": value}

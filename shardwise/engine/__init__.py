@@ -6,7 +6,7 @@ down only (tests/test_layering.py)::
     user code sees of parameters and gradients), and the loose modules here (shard(), clipping, state dicts)
 
 Reading order of one training step (full_shard, the default: checks on, no offload, a model with buffers;
-forward, backward, ``shardwise.clip_grad_norm_``, ``optimizer.step()``). The step enters these 23 files
+forward, backward, ``shardwise.clip_grad_norm_``, ``optimizer.step()``). The step enters these 24 files
 (tests/engine/test_reading_order.py traces one and holds this list to it):
 
  1. ``base/plan.py``            units -> flat groups (unit x dtype x requires_grad), offsets, padding: pure layout
@@ -25,15 +25,16 @@ forward, backward, ``shardwise.clip_grad_norm_``, ``optimizer.step()``). The ste
 12. ``base/strategy.py``        the process groups and the data-parallel size
 13. ``base/device.py``          the control group: the gloo host group that carries the ranks' agreements
 14. ``checks/fingerprint.py``   the ranks agree on every collective before it is issued (once per phase)
-15. ``surface/shard_param.py``  the parameter factory: ``ShardParam``, what the core asks about it
+15. ``surface/shard_param.py``  the parameter factory: a ``Piece`` over a local parameter, what the core asks
 16. ``surface/grad_sink.py``    the gradient sink: ``.grad`` pieces, hooks, direct gradients
-17. ``surface/pieces.py``       the pieces' table (exact norms, ``local_only``)
+17. ``surface/pieces.py``       ``Piece``: the whole tensor to user code (its table: piece_ops.py), ``local_only``
 18. ``surface/param_hooks.py``  tensor hooks and post-accumulate-grad hooks at hand-out
 19. ``surface/direct_grads.py`` gradients that reached a parameter directly (a penalty)
-20. ``surface/optimizer_guard.py`` the optimizer step hooks
-21. ``buffer_broadcast.py``     rank 0's buffers before each forward
-22. ``grad_norm.py``            ``clip_grad_norm_``
-23. ``ddp_idioms.py``           the root model's attribute lookups (``model.module`` is a named error; DDP's
+20. ``surface/optimizer_guard.py`` the optimizer step hooks ...
+21. ``surface/optimizer_swap.py`` ... which swap in plain local parameters for the step (no Python dispatch)
+22. ``buffer_broadcast.py``     rank 0's buffers before each forward
+23. ``grad_norm.py``            ``clip_grad_norm_``
+24. ``ddp_idioms.py``           the root model's attribute lookups (``model.module`` is a named error; DDP's
                                 ``no_sync()`` and ``require_backward_grad_sync`` on the model)
 
 ``api.py`` builds all of it (``shard()``); docs/ARCHITECTURE.md draws the step and lists every file.

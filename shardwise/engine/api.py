@@ -14,7 +14,7 @@ import torch.nn as nn
 from shardwise.engine.base import device as devices
 from shardwise.engine import ddp_idioms, initial_weights
 from shardwise.engine.ddp_idioms import no_sync  # noqa: F401 (public: shardwise.no_sync)
-from shardwise.engine.surface import optimizer_guard, state_dict_stamps
+from shardwise.engine.surface import optimizer_guard, optimizer_swap, state_dict_pieces, whole_model_saves
 from shardwise.engine.surface.grad_sink import PieceGradSink
 from shardwise.engine.surface.wrapper_refusal import refuse_wrappers
 from shardwise.engine.rewrite_refusal import refuse_rebuilding_methods, refuse_rewriting_modules
@@ -115,7 +115,7 @@ def shard(
     factory = ShardParamFactory(pgs.shard, compute_device, runtime.checker)
     flat_groups = {
         id(gp): FlatGroup(gp, pgs, compute_device, mp, offload, strategy, factory=factory, transfers=transfers,
-                          sink=PieceGradSink(factory.piece_key, transfers, on_direct_grad=runtime.begin_backward),
+                          sink=PieceGradSink(transfers, on_direct_grad=runtime.begin_backward),
                           checker=runtime.checker, ids=(ui, gi))
         for ui, up in enumerate(plan.units) for gi, gp in enumerate(up.groups)}
     warn_if_backward_inputs_unseen()  # a torch that cannot show us backward(inputs=...) says so once
@@ -126,7 +126,9 @@ def shard(
     _install_hooks(model, runtime, activation_checkpointing)
     refuse_wrappers(model)  # DDP (Accelerate's prepare), fully_shard would redo the sharding on the pieces
     refuse_rebuilding_methods(model)  # resize_token_embeddings after shard()
-    state_dict_stamps.install(model, runtime)  # model.state_dict() pieces say whose they are
+    state_dict_pieces.install(model, runtime)  # model.load_state_dict() marks the shards written
+    runtime.before_forward.append(optimizer_swap.restore_all)  # a step that raised left its swap (optimizer_swap.py)
+    whole_model_saves.install(model)  # model.save_pretrained(dir) writes the whole model, streamed
     ddp_idioms.install(model)  # model.no_sync(), model.require_backward_grad_sync, model.module
     if broadcast_buffers and pgs.data_parallel_size > 1:
         sync = BufferBroadcast(model, runtime)

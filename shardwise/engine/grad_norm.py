@@ -13,7 +13,7 @@ import torch.nn as nn
 from shardwise.engine.base import collectives
 from shardwise.engine.core.flat_group import FlatGroup
 from shardwise.engine.core.runtime import ModelRuntime, runtime_of
-from shardwise.engine.surface.pieces import local_only
+from shardwise.engine.surface.pieces import local_of, local_only
 from shardwise.errors import ShardwiseError
 
 
@@ -23,9 +23,10 @@ def _shard_grads(rt: ModelRuntime) -> Iterator[torch.Tensor]:
 
 
 def group_grads(group: FlatGroup) -> list[torch.Tensor]:
-    """The gradients a flat group's shard parameters hold, in parameter order (the norm's summation order)."""
+    """This rank's elements of the gradients a flat group's shard parameters hold (plain tensors), in parameter
+    order (the norm's summation order)."""
     with local_only():
-        return [p.grad for p in group.shard_params if p.grad is not None]
+        return [local_of(p.grad) for p in group.shard_params if p.grad is not None]
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -48,12 +49,13 @@ def grad_norm_terms(grads: list[torch.Tensor], norm_type: float) -> list[torch.T
     """Each local gradient piece's part of the global norm (fp32): its norm, or its largest magnitude for
     the inf-norm. Computed per piece, so a group's terms can be computed as soon as its gradients land
     (optim/offload_optimizer.py) and still sum exactly as ``clip_grad_norm_``'s."""
-    with local_only():  # this rank's pieces' own norms: global_grad_norm sums them over the ranks once
-        if math.isinf(norm_type):
-            # A rank's piece of a parameter may be empty (max() of nothing raises): only non-empty pieces count.
-            return [g.detach().abs().max().float() for g in grads if g.numel()]
-        # One foreach kernel over the pieces, not a Python loop of norms per parameter per step.
-        return list(torch._foreach_norm(grads, norm_type, dtype=torch.float32)) if grads else []
+    # ``grads``: this rank's elements (plain tensors, group_grads), so their own norms: global_grad_norm sums
+    # them over the ranks once.
+    if math.isinf(norm_type):
+        # A rank's piece of a parameter may be empty (max() of nothing raises): only non-empty pieces count.
+        return [g.detach().abs().max().float() for g in grads if g.numel()]
+    # One foreach kernel over the pieces, not a Python loop of norms per parameter per step.
+    return list(torch._foreach_norm(grads, norm_type, dtype=torch.float32)) if grads else []
 
 
 def global_grad_norm(rt: ModelRuntime, terms: list[torch.Tensor], norm_type: float) -> torch.Tensor:

@@ -1,12 +1,13 @@
-"""Logical shapes of sharded parameters: what a 1-D shard parameter *is* in the unsharded model.
+"""Logical shapes of sharded parameters: each one's name in the unsharded model and where this rank's
+elements sit in it.
 
-After ``shardwise.shard()`` every parameter is a 1-D piece of its flat group's shard, so code that looks at
-``p.shape`` or ``p.dim()`` (weight-decay groups, Muon, parameter counts) sees the wrong thing. The sharding
-plan already knows each parameter's full name and shape and where this rank's piece sits in it
-(``ParamSpec`` + ``FlatGroup.local_slices``); this module only exposes that, it recomputes nothing.
+After ``shardwise.shard()`` a parameter already reads as the whole tensor (``p.shape``, ``p.dim()``,
+``p.numel()``: surface/pieces.py); this module answers what its metadata does not: the parameter's full name
+(and its other names, for tied weights) and this rank's element range, from the plan (``ParamSpec`` +
+``FlatGroup.local_slices``). It recomputes nothing.
 
     info = shardwise.param_info(p)     # ParamInfo(name='blocks.0.attn.c_attn.weight', shape=(75, 25), ...)
-    p  ==  full_param.reshape(-1)[info.offset : info.offset + info.local_numel]
+    local_of(p)  ==  full_param.reshape(-1)[info.offset : info.offset + info.local_numel]
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from shardwise.checkpoint.whole_model import CALL, HF_MAX_SHARD_BYTES, rank0_writes, write_whole_model
+from shardwise.engine.surface import whole_model_saves
 from shardwise.errors import ShardwiseError
 from shardwise.hf.lora import ADAPTER_NAME, adapter_state_dict, is_peft_model, write_adapter_files
 from shardwise.hf.quantization import has_quantised
@@ -113,3 +114,7 @@ def _model_files(model: nn.Module, tmp: Path, written: Optional[torch.dtype], pr
         model.generation_config.save_pretrained(str(tmp))
     if processing_class is not None:
         processing_class.save_pretrained(str(tmp))
+
+
+# model.save_pretrained(dir) of a sharded model comes here (engine/surface/whole_model_saves.py).
+whole_model_saves.register_writer(save_whole_model)

@@ -182,6 +182,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
 
 optimizer_guard.allow_optimizer(OffloadOptimizer)  # steps one inner optimizer per group, each checked
+optimizer_guard.delegates_step(OffloadOptimizer)  # (the inner optimizers step plain local parameters)
 
 
 def _options(param_group: dict) -> dict:

@@ -86,12 +86,12 @@ def build_sharded_model(cfg: TrainConfig, spec: ModelSpec, device: torch.device)
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (or Muon + AdamW) over the local shards; weight decay only on shards of matrices (judged by the
-    logical shape, since every shard is 1-D)."""
+    """AdamW (or Muon + AdamW) over the sharded parameters; weight decay only on matrices (a sharded parameter
+    has its whole shape)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
-            (decay if shardwise.param_info(p).ndim >= 2 else no_decay).append(p)
+            (decay if p.dim() >= 2 else no_decay).append(p)
     if cfg.optimizer == "muon":
         from shardwise.optim import Muon
         # Moonshot's lr scaling makes Muon's update RMS match AdamW's, so AdamW's lr and weight decay carry over.

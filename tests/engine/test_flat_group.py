@@ -22,6 +22,7 @@ import shardwise
 from harness import run_distributed
 from parity_utils import assert_engine_clean, run_scenarios, scenario, spawn_once
 from shardwise.engine.base import collectives
+from shardwise.engine.surface.pieces import local_of
 from shardwise.engine.core.runtime import runtime_of
 
 GROUP_NUMELS = (25, 18)  # Linear(4, 5) and Linear(5, 3): weight + bias
@@ -88,7 +89,9 @@ def _one_step(strategy: str, mixed_precision=None, checks: bool = True):
             loss.backward()
         assert_engine_clean(model)
         out["after_backward"] = [_nbytes(g.gathered) for g in groups]
-        out["grad"] = [sorted({(_nbytes(p.grad), str(p.grad.dtype)) for p in g.shard_params}) for g in groups]
+        # (a gradient is a piece: its elements' storage, the reduced shard, is what it holds)
+        out["grad"] = [sorted({(_nbytes(local_of(p.grad)), str(p.grad.dtype)) for p in g.shard_params})
+                       for g in groups]
         out["collectives"] = sorted(rec.seen)
         torch.optim.SGD(model.parameters(), lr=0.1).step()
         out["after_step"] = [_nbytes(g.gathered) for g in groups]
@@ -165,10 +168,11 @@ def test_without_sharding_the_gathered_buffer_is_the_shard():
     assert r["in_forward"] == [(b, "torch.float32") for b in full]
 
 
-# The ranks' agreements before the collectives (checks/fingerprint.py): 10 int64 per rank, gathered.
-EXCHANGE = {("all_gather_into", 2 * 10, "torch.int64")}
-# Once per synced backward the ranks OR which parameters got a gradient (core/grad_usage.py): one int64 word
-# per rank (the model's 4 parameters) gathered on the control group, after an EXCHANGE agreed on it (checks on).
+# The ranks' agreements before the collectives (checks/fingerprint.py): 25 int64 per rank, gathered. Once per
+# synced backward the ranks OR which parameters got a gradient (core/grad_usage.py): with checks on, the OR
+# rides in one such exchange (the model's 4 parameters: one word of its 16 flag words).
+EXCHANGE = {("all_gather_into", 2 * 25, "torch.int64")}
+# With checks off: one int64 word per rank gathered on the control group.
 USAGE = {("all_gather_into", 2 * 1, "torch.int64")}
 
 
@@ -190,7 +194,7 @@ def test_gradient_buffers_per_strategy(strategy, grad_numel, collectives):
         numel = _padded(n, 2) // 2 if grad_numel == "shard" else _padded(n, ranks)
         assert grads == [(numel * 4, "torch.float32")], (n, grads)
     expected = {(op, _padded(n, ranks), "torch.float32") for n in GROUP_NUMELS for op in collectives}
-    assert set(map(tuple, r["collectives"])) == expected | EXCHANGE | USAGE
+    assert set(map(tuple, r["collectives"])) == expected | EXCHANGE
 
 
 def test_mixed_precision_gathers_in_the_compute_dtype_and_reduces_in_the_reduce_dtype():
@@ -204,7 +208,7 @@ def test_mixed_precision_gathers_in_the_compute_dtype_and_reduces_in_the_reduce_
         assert r["in_forward"] == [(_padded(n, 2) * 2, "torch.bfloat16") for n in GROUP_NUMELS]
         assert set(map(tuple, r["collectives"])) == (
             {("all_gather_into", _padded(n, 2), "torch.bfloat16") for n in GROUP_NUMELS}
-            | {("reduce_scatter_into", _padded(n, 2), reduce_dtype) for n in GROUP_NUMELS} | EXCHANGE | USAGE)
+            | {("reduce_scatter_into", _padded(n, 2), reduce_dtype) for n in GROUP_NUMELS} | EXCHANGE)
         assert r["grad"] == [[(_padded(n, 2) // 2 * 4, "torch.float32")] for n in GROUP_NUMELS]
     assert fs["after_backward"] == [0, 0]
     assert z2["after_backward"] == [_padded(n, 2) * 2 for n in GROUP_NUMELS]

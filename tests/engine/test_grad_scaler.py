@@ -21,8 +21,10 @@ def _one_step(rank: int, world: int, poison_rank: int) -> dict:
     before = [p.detach().clone() for p in model.parameters()]
     scaler.scale(model(torch.randn(4, 8)).sum()).backward()
     if rank == poison_rank:
-        p = next(p for p in model.parameters() if p.grad is not None and p.grad.numel())
-        p.grad.view(-1)[0] = math.inf  # an overflow only this rank's shard sees
+        from shardwise.engine.surface.pieces import local_of
+
+        mine = next(local_of(p.grad) for p in model.parameters() if p.grad is not None and local_of(p.grad).numel())
+        mine[0] = math.inf  # an overflow only this rank's shard sees (an element it holds)
     scaler.unscale_(opt)
     scaler.step(opt)
     scaler.update()

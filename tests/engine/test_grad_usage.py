@@ -173,9 +173,26 @@ DEFAULT_STRATEGIES = ("full_shard", "shard_optim", "no_shard")
 ALL_STRATEGIES = ("full_shard", "shard_grad_op", "shard_optim_grad", "shard_optim", "no_shard")
 
 
+def _marks_in_their_own_all_gather(run):
+    """``run`` with the usage marks too many to ride in the agreement's exchange (a model of more than
+    ``FLAG_WORDS`` x 62 parameters): they travel in an all-gather of their own."""
+    def patched(rank, ws):
+        from shardwise.engine.core import grad_usage
+
+        saved, grad_usage.FLAG_WORDS = grad_usage.FLAG_WORDS, 0
+        try:
+            return run(rank, ws)
+        finally:
+            grad_usage.FLAG_WORDS = saved
+
+    return patched
+
+
 def _worker(rank, ws, strategies):
     return run_scenarios({"one_backward": _usage_scenario(strategies, 1),
-                          "no_sync": _usage_scenario(strategies, 2), "at_hand_out": _at_hand_out}, rank, ws)
+                          "no_sync": _usage_scenario(strategies, 2), "at_hand_out": _at_hand_out,
+                          "marks_gathered": _marks_in_their_own_all_gather(_usage_scenario(("full_shard",), 1))},
+                         rank, ws)
 
 
 @spawn_once
@@ -214,6 +231,10 @@ def test_the_model_exercises_every_way_of_going_without_a_gradient():
 @pytest.mark.parametrize("name", ["one_backward", "no_sync"])
 def test_no_gradient_means_none_at_world_size_2(name):
     _check(2, DEFAULT_STRATEGIES, name)
+
+
+def test_marks_too_many_for_the_agreement_travel_in_their_own_all_gather():
+    _check(2, DEFAULT_STRATEGIES, "marks_gathered")
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ MODELS = {
 
 def _worker(rank: int, world_size: int) -> dict:
     import shardwise
+    from shardwise.engine.surface.pieces import local_of
     from shardwise.trainer.loop import build_optimizer
 
     out = {}
@@ -41,9 +42,11 @@ def _worker(rank: int, world_size: int) -> dict:
         for (n, info), p in zip(infos, model.parameters()):
             assert info.name == n and info.shape == full[n].shape and info.numel == full[n].numel(), (name, n)
             assert list(info.names) == all_names[n], (name, n, info.names)
-            assert p.numel() == info.local_numel, (name, n)
+            assert p.shape == full[n].shape and p.numel() == info.numel, (name, n)  # a parameter reads whole
+            mine = local_of(p)  # this rank's elements
+            assert mine.numel() == info.local_numel, (name, n)
             want = full[n].reshape(-1)[info.offset:info.offset + info.local_numel]
-            assert torch.equal(p.detach(), want), f"{name}: {n}'s shard is not elements [offset, offset+local)"
+            assert torch.equal(mine.detach(), want), f"{name}: {n}'s shard is not elements [offset, offset+local)"
             pieces[n] = (info.offset, info.local_numel, info.numel)
         assert shardwise.num_parameters(model) == sum(t.numel() for t in full.values())
         assert shardwise.num_parameters(model, only_trainable=True) == sum(

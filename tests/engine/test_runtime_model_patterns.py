@@ -37,7 +37,10 @@ RTOL = 1e-6
 
 def _check_params_readable(model: nn.Module) -> None:
     """Fail (instead of crashing the process) if a module parameter is bound to storage too small for it."""
+    from shardwise.engine.surface.pieces import local_of
+
     for name, p in model.named_parameters():
+        p = local_of(p)  # (a piece has no memory of its own: its elements are what is bound)
         need = (p.storage_offset() + p.numel()) * p.element_size()
         if p.numel() and p.untyped_storage().nbytes() < need:
             raise AssertionError(f"{name}: bound to {p.untyped_storage().nbytes()} bytes of storage, needs {need} "

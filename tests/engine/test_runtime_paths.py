@@ -24,6 +24,7 @@ from models import GPT, Block, SkippableGPT, gpt_loss, tiny_gpt_config
 from parity_utils import (assert_engine_clean, assert_parity, is_sharded, local_slice, make_batches, parity_check,
                           rel_err, run_scenarios, scenario, simple_step, spawn_once)
 from shardwise import ShardwiseError
+from shardwise.engine.surface.pieces import is_piece, local_of
 WORLD_SIZE = 3
 VOCAB = tiny_gpt_config().vocab_size
 STEPS = 3
@@ -246,7 +247,6 @@ def _forward_error(model, x) -> str:
 CONVERSIONS = {"half": lambda m: m.half(), "double": lambda m: m.double(),
                "to(bfloat16)": lambda m: m.to(torch.bfloat16)}
 REFUSED_CHANGES = {
-    "p.data =": lambda m: setattr(m.blocks[1].mlp.c_fc.weight, "data", m.blocks[1].mlp.c_fc.weight.data.clone()),
     "one parameter's dtype": lambda m: setattr(m.blocks[1].mlp.c_fc.weight, "data",
                                                m.blocks[1].mlp.c_fc.weight.data.double()),
     "to(meta)": lambda m: m.to("meta"),
@@ -277,6 +277,16 @@ def _conversions(rank, ws):
         model = shardwise.shard(_gpt(), units={Block})
         change(model)
         out[name] = _forward_error(model, x)
+    # p.data = a tensor of the whole's dtype, device and shape copies its values in (a piece's or a plain
+    # whole tensor's): the forward is the reference's with the same weight.
+    ref, model = _gpt(), shardwise.shard(_gpt(), units={Block})
+    new = torch.randn(ref.blocks[1].mlp.c_fc.weight.shape, generator=torch.Generator().manual_seed(3))
+    ref.blocks[1].mlp.c_fc.weight.data = new.clone()
+    model.blocks[1].mlp.c_fc.weight.data = new.clone()
+    model.blocks[0].mlp.c_fc.weight.data = model.blocks[0].mlp.c_fc.weight.data * 0.5
+    ref.blocks[0].mlp.c_fc.weight.data = ref.blocks[0].mlp.c_fc.weight.data * 0.5
+    with torch.no_grad():
+        out["p.data = whole"] = rel_err(gpt_loss(model, x, x), gpt_loss(ref, x, x))
     return out
 
 
@@ -354,7 +364,10 @@ def _outside_forward(rank, ws):
     x, y = make_batches(1, VOCAB)[0]
     out["after"] = rel_err(gpt_loss(model, local_slice(x, rank, ws), local_slice(y, rank, ws)),
                            gpt_loss(ref, local_slice(x, rank, ws), local_slice(y, rank, ws)))
-    out["shards_after"] = all(p.dim() == 1 for p in model.parameters())
+    # Back to pieces: the whole's shape, this rank's elements only.
+    params = list(model.parameters())
+    out["shards_after"] = (all(is_piece(p) for p in params)
+                           and sum(local_of(p).numel() for p in params) < sum(p.numel() for p in params))
     return out
 
 
@@ -450,6 +463,11 @@ def test_converting_the_model_dtype_after_shard_trains_like_a_converted_referenc
     r = scenario(report(), "conversions")[conversion]
     assert_parity(r["metrics"], rtol=rtol, label=conversion)
     assert len(r["dtypes"]) == 1 and r["dtypes"][0] != "torch.float32", r["dtypes"]
+
+
+def test_p_data_assigned_a_whole_tensor_after_shard_copies_its_values_in():
+    err = scenario(report(), "conversions")["p.data = whole"]
+    assert err <= 1e-6, f"off by {err:.2e}"
 
 
 @pytest.mark.parametrize("change", list(REFUSED_CHANGES))

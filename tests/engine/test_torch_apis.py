@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import shardwise
 from harness import run_distributed
@@ -339,10 +341,8 @@ def grad_scaler_inf(ctx: Ctx, batches):
 
 def _poison_first_element(ctx: Ctx, name: str):
     p = ctx.model.get_parameter(name)
-    offset = shardwise.param_info(p).offset if ctx.sharded else 0
-    if offset == 0 and p.grad.numel():
-        with torch.no_grad():
-            p.grad.view(-1)[0] = float("inf")
+    with torch.no_grad():  # (every rank, as in one process: the rank holding element 0 writes it)
+        p.grad.view(-1)[0] = float("inf")
 
 
 class CustomStepAdam(torch.optim.Adam):
@@ -364,6 +364,121 @@ class DefaultsAdamW(torch.optim.AdamW):
         super().__init__(params, lr=1e-2, weight_decay=0.05)
 
 
+# ---- the closed table: a parameter and its gradient are the whole tensor ------------------------------------
+def whole_metadata(ctx: Ctx):  # what nanoGPT's and timm's loops read: shapes, counts, dimensions
+    ps = ctx.params()
+    ctx.record(sum(p.numel() for p in ps))
+    ctx.record(sum(p.dim() + p.ndim + len(p.shape) for p in ps))
+    ctx.record(sum(len(p) * p.size(-1) for p in ps))
+    ctx.record(sum(math.prod(p.size()) for p in ps if p.dim() >= 2))
+    ctx.record(sum(g.numel() for g in ctx.grads()))
+    ctx.record(all(g.shape == p.shape for p in ps for g in [p.grad] if g is not None))
+
+
+def grad_algebra(ctx: Ctx):
+    """Products, comparisons and reductions along a dimension of gradients: each exact."""
+    gs = ctx.grads()
+    flat = [g.flatten() for g in gs]
+    ctx.record(sum(float(f @ f) for f in flat))
+    ctx.record(sum(float(torch.inner(f, f)) for f in flat))
+    ctx.record(sum(float(torch.vdot(f, f)) for f in flat))
+    ctx.record(sum(float(F.normalize(f, dim=0).sum()) for f in flat))
+    ctx.record(sum(float(F.normalize(g, dim=-1).pow(2).sum()) for g in gs if g.dim() == 2))
+    ctx.record(sum(float(F.cosine_similarity(g, g + 1.0, dim=-1).sum()) for g in gs if g.dim() == 2))
+    ctx.record(all(torch.allclose(g, g * 1.0) for g in gs) and not any(torch.allclose(g, g + 1.0) for g in gs))
+    ctx.record(all(torch.equal(g, g.clone()) for g in gs) and not any(torch.equal(g, g + 1.0) for g in gs))
+    ctx.record(sum(float(g.sum(0).abs().sum() + g.amax(0).sum()) for g in gs))
+    ctx.record(sum(float(g.norm(dim=-1).sum() + g.mean(-1, keepdim=True).sum()) for g in gs if g.dim() == 2))
+    ctx.record(sum(float(g.std() + g.var(0).sum()) for g in gs if g.dim() == 2))
+    ctx.record(sum(float(g[0].norm() + g.view(-1)[3:9].sum()) for g in gs if g.numel() > 9))
+
+
+def anchored(loss_of, plain: bool):
+    """SGD steps of ``loss + 0.05 * sum(loss_of(p, anchor))``: each parameter tied to its value at the start
+    (``p.detach().clone()``: a piece) or to a plain whole tensor (``plain``: another model's weights)."""
+
+    def run(ctx: Ctx, batches):
+        if plain:
+            anchors = [q.detach() * 0.5 for q in _gpt(**ctx.config).parameters()]
+        else:
+            anchors = [p.detach().clone() * 0.5 for p in ctx.params()]
+        penalised(lambda ps: sum(loss_of(p, a) for p, a in zip(ps, anchors)))(ctx, batches)
+    return run
+
+
+def cosine_penalty(p, a):  # (shifted: the cosine of a zero vector is ill-conditioned in one process too;
+    return F.cosine_similarity(p.flatten() + 1.0, a.flatten() + 2.0, dim=0)  # 1 - cos would cancel in fp32)
+
+
+def hand_accumulation(plain: bool, k: int = 2):
+    """Gradients of k micro-batches summed by hand into ``acc`` (zeros_like, or plain tensors of the whole
+    shape), ``p.grad = acc / k``, torch's clip_grad_norm_, step."""
+
+    def run(ctx: Ctx, batches):
+        opt = sgd(ctx.params())
+        for x, y in batches:
+            acc = [torch.zeros(p.shape) if plain else torch.zeros_like(p) for p in ctx.params()]
+            for i in range(k):
+                opt.zero_grad()
+                n = len(x) // k
+                ctx.loss((x[i * n:(i + 1) * n], y[i * n:(i + 1) * n])).backward()
+                for a, p in zip(acc, ctx.params()):
+                    a += p.grad
+            for a, p in zip(acc, ctx.params()):
+                p.grad = a / k
+            ctx.record(torch.nn.utils.clip_grad_norm_(ctx.params(), 0.05))
+            opt.step()
+    return run
+
+
+def decay_groups(ctx: Ctx, batches):  # nanoGPT's configure_optimizers: weight decay for p.dim() >= 2 only
+    ps = ctx.params()
+    opt = torch.optim.AdamW([{"params": [p for p in ps if p.dim() >= 2], "weight_decay": 0.5},
+                             {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}], lr=1e-2)
+    ctx.record(sum(p.numel() for p in opt.param_groups[0]["params"]))
+    for batch in batches:
+        ctx.loss(batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def plain_ema(ctx: Ctx, batches):
+    """An EMA kept in plain whole tensors, updated from the parameters: every rank gathers them."""
+    ema = [torch.zeros(p.shape) for p in ctx.params()]
+    opt = sgd(ctx.params())
+    for batch in batches:
+        ctx.loss(batch).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for e, p in zip(ema, ctx.params()):
+                e.mul_(0.5).add_(p, alpha=0.5)
+        ctx.record(sum(float(e.norm()) for e in ema))
+
+
+def closure_steps(ctx: Ctx, batches):
+    """``opt.step(closure)`` whose closure zeroes, computes the loss and backpropagates (the parameters are
+    compared; the returned loss is this rank's)."""
+    opt = sgd(ctx.params())
+    for batch in batches:
+        def closure():
+            opt.zero_grad()
+            loss = ctx.loss(batch)
+            loss.backward()
+            return loss
+        opt.step(closure)
+
+
+def assign_data(ctx: Ctx):
+    for p in ctx.params():
+        p.data = p.data * 0.99
+
+
+def assign_piece_sized_grad(ctx: Ctx):
+    for p in ctx.params():
+        p.grad = torch.zeros(math.ceil(p.numel() / ctx.ws))
+
+
 PIECE_OPTIMIZER = "is not a known elementwise optimizer"
 TORCH = "torch: "  # prefix: torch's own error, raised at construction on every rank (as in one process)
 NOT_ITS_STATE = "optimizer.state_dict() holds this rank's pieces only"
@@ -379,12 +494,11 @@ ROWS = [
     Row("p.grad.norm() per parameter", train(after_backward=per_param_norms)),
     Row("parameters_to_vector(grads).norm()", train(after_backward=vector_norm_of_grads)),
     Row("p.grad mean, count_nonzero, dot, amin, isfinite().all()", train(after_backward=other_reductions)),
-    Row("torch.cat(pieces + a whole tensor).norm()",
-        train(after_backward=lambda ctx: ctx.record(torch.cat([g.view(-1) for g in ctx.grads()] + [torch.ones(3)]).norm())),
-        sharded_only("neither a piece nor a whole")),
+    Row("torch.cat(pieces + a whole tensor).norm()",  # (the whole tensor is held by the group's first rank)
+        train(after_backward=lambda ctx: ctx.record(torch.cat([g.view(-1) for g in ctx.grads()] + [torch.ones(3)]).norm()))),
     Row("p.grad.sort() (positions in the whole)", train(after_backward=lambda ctx: ctx.grads()[0].sort()),
         sharded_only("depends on positions in the whole tensor")),
-    Row("vector_to_parameters", train(after_backward=vector_round_trip), "was changed after shardwise.shard()"),
+    Row("vector_to_parameters", train(after_backward=vector_round_trip)),  # (p.data = piece: values copied in)
     *[Row(f"optim.{cls.__name__}", optimizer_row(cls, **kw), whole_model=cls is not torch.optim.SGD,
           config=dict(bias=False) if cls is torch.optim.Rprop else {}) for cls, kw in [
         (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
@@ -394,7 +508,7 @@ ROWS = [
         (torch.optim.ASGD, dict(lr=1e-2, t0=1)), (torch.optim.Adadelta, dict(lr=1.0)),
         (torch.optim.Rprop, dict(lr=1e-2))]],
     Row("optim.LBFGS", train(make_opt=lambda ps: torch.optim.LBFGS(ps, lr=0.1, max_iter=3), closure_opt=True),
-        PIECE_OPTIMIZER),  # (refused under no_shard too: shard parameters are 1-D there as well)
+        PIECE_OPTIMIZER),  # (refused under no_shard too: the optimizer steps the flat local parameter there as well)
     Row("optim.Adafactor", optimizer_row(torch.optim.Adafactor, lr=1e-2), PIECE_OPTIMIZER),
     Row("optim.Muon (torch's)", optimizer_row(torch.optim.Muon, lr=1e-2), TORCH + "Muon only supports 2D parameters"),
     Row("optim.SparseAdam", optimizer_row(torch.optim.SparseAdam, lr=1e-2), PIECE_OPTIMIZER),
@@ -421,8 +535,7 @@ ROWS = [
     Row("penalty from get_total_norm(parameters) ** 2",
         penalised(lambda ps: torch.nn.utils.get_total_norm(ps) ** 2)),
     Row("L2 penalty by hand under no_sync", penalised(l2, no_sync=True)),
-    Row("penalty from p.abs().max() (a maximum across ranks)",
-        penalised(lambda ps: sum(p.abs().max() for p in ps)), sharded_only("backward through Tensor.max")),
+    Row("penalty from p.abs().max() (a maximum across ranks)", penalised(lambda ps: sum(p.abs().max() for p in ps))),
     Row("L2 penalty by hand with a tensor hook", hooked(False, clamp_hook, penalty=l2), "has a tensor hook or a post"),
     Row("L2 penalty by hand with post-accumulate-grad hooks", lambda ctx, b: post_accumulate_hooks(ctx, b, penalty=l2),
         "has a tensor hook or a post"),
@@ -438,6 +551,50 @@ ROWS = [
     Row("in-place write between backward and step", train(after_backward=scale_all(0.99))),
     Row("GradScaler with an inf in one rank's piece", grad_scaler_inf),
 ]
+
+# The closed table (issue #27): a parameter and its gradient are the whole tensor to user code. Whole-shape
+# metadata, exact products, comparisons and reductions along a dimension, functional penalties, indexing by
+# contiguous runs exact; other indexing, products and random fills refused by name.
+WHOLE_ROWS = [
+    Row("shape, size(), dim(), ndim, numel(), len() of parameters and gradients", train(after_backward=whole_metadata)),
+    Row("g @ g (1-D), inner, vdot, F.normalize, cosine_similarity, allclose, equal, sum(0), norm(dim), std, g[0]",
+        train(after_backward=grad_algebra)),
+    Row("g @ g.T of a 2-D gradient (a transposed view)", train(after_backward=lambda ctx: [g @ g.T for g in ctx.grads() if g.dim() == 2]),
+        sharded_only("reorders or selects positions")),
+    Row("torch.mm of a 2-D gradient", train(after_backward=lambda ctx: [torch.mm(g, torch.ones(g.shape[1], 2))
+                                                                        for g in ctx.grads() if g.dim() == 2]),
+        sharded_only("torch.mm (aten.mm.default)")),
+    Row("torch.einsum of gradients", train(after_backward=lambda ctx: [torch.einsum("ij,ij->", g, g)
+                                                                       for g in ctx.grads() if g.dim() == 2]),
+        sharded_only("torch.einsum")),
+    Row("p.grad[:, 0] (a strided selection)", train(after_backward=lambda ctx: [g[:, 0] for g in ctx.grads() if g.dim() == 2]),
+        sharded_only("reorders or selects positions")),
+    Row("p.grad[index tensor]", train(after_backward=lambda ctx: [g[torch.tensor([0, 2])] for g in ctx.grads()]),
+        sharded_only("depends on positions in the whole tensor")),
+    Row("torch.randn_like(p)", train(after_backward=lambda ctx: torch.randn_like(ctx.params()[0])),
+        sharded_only("a random fill")),
+    *[Row(f"penalty {name}, anchor {'plain' if plain else 'p.detach().clone()'}", anchored(fn, plain))
+      for name, fn in [("F.mse_loss(p, a)", F.mse_loss), ("F.l1_loss(p, a)", F.l1_loss),
+                       ("F.smooth_l1_loss(p, a)", lambda p, a: F.smooth_l1_loss(p, a, beta=0.01)),
+                       ("torch.dist(p, a)", torch.dist), ("F.cosine_similarity(p, a)", cosine_penalty),
+                       ("(p - a).norm()", lambda p, a: (p - a).norm())]
+      for plain in (False, True)],
+    Row("penalty p.sigmoid().mean()", penalised(lambda ps: sum(p.sigmoid().mean() for p in ps))),
+    # Zero-initialised biases: the norm's subgradient at zero is 0, as in one process (not NaN).
+    Row("norm penalty with all-zero parameters: sum(p.norm())", penalised(lambda ps: sum(p.norm() for p in ps))),
+    Row("norm penalty: sum(torch.linalg.vector_norm(p))",
+        penalised(lambda ps: sum(torch.linalg.vector_norm(p) for p in ps))),
+    Row("hand-written accumulation into zeros_like, p.grad = acc / k, clip_grad_norm_", hand_accumulation(plain=False)),
+    Row("hand-written accumulation into plain tensors, p.grad = acc / k, clip_grad_norm_", hand_accumulation(plain=True)),
+    Row("p.grad = a 1-D tensor of this rank's piece size", train(after_backward=assign_piece_sized_grad),
+        "p.grad = tensor for parameter"),
+    Row("weight decay groups by p.dim() >= 2 (nanoGPT)", decay_groups, whole_model=True),
+    Row("EMA in plain tensors: e.mul_(d).add_(p)", plain_ema),
+    Row("p.data = p.data * 0.99 before forward", train(before_forward=assign_data)),
+    # The closure runs inside step(): it must see the pieces (its zero_grad, its backward), the step the locals.
+    Row("SGD step(closure) (Lightning's automatic optimisation)", closure_steps),
+]
+TABLES = {"ROWS": ROWS, "WHOLE_ROWS": WHOLE_ROWS}
 
 
 # ---- running the table ------------------------------------------------------------------------------------
@@ -481,13 +638,13 @@ def _run_row(row: Row, strategy: str, rank: int, ws: int) -> dict:
     return out
 
 
-def _table(rank: int, ws: int, strategies: tuple) -> dict:
-    return {(row.name, s): _run_row(row, s, rank, ws) for s in strategies for row in ROWS}
+def _table(rank: int, ws: int, strategies: tuple, table: str) -> dict:
+    return {(row.name, s): _run_row(row, s, rank, ws) for s in strategies for row in TABLES[table]}
 
 
 @spawn_once
-def _report(ws: int, strategies: tuple) -> list:
-    return run_distributed(_table, ws, strategies, timeout_s=30)
+def _report(ws: int, strategies: tuple, table: str) -> list:
+    return run_distributed(_table, ws, strategies, table, timeout_s=30)
 
 
 def _check(results: list, row: Row, strategy: str) -> None:
@@ -521,18 +678,24 @@ REST = tuple(s for s in STRATEGIES if s not in DEFAULT)
 @pytest.mark.parametrize("strategy", DEFAULT)
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.name)
 def test_ws2(row, strategy):
-    _check(_report(2, DEFAULT), row, strategy)
+    _check(_report(2, DEFAULT, "ROWS"), row, strategy)
+
+
+@pytest.mark.parametrize("strategy", DEFAULT)
+@pytest.mark.parametrize("row", WHOLE_ROWS, ids=lambda r: r.name)
+def test_whole_ws2(row, strategy):
+    _check(_report(2, DEFAULT, "WHOLE_ROWS"), row, strategy)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", REST)
-@pytest.mark.parametrize("row", ROWS, ids=lambda r: r.name)
+@pytest.mark.parametrize("row", ROWS + WHOLE_ROWS, ids=lambda r: r.name)
 def test_ws2_other_strategies(row, strategy):
-    _check(_report(2, REST), row, strategy)
+    _check(_report(2, REST, "ROWS" if row in ROWS else "WHOLE_ROWS"), row, strategy)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("row", ROWS, ids=lambda r: r.name)
+@pytest.mark.parametrize("row", ROWS + WHOLE_ROWS, ids=lambda r: r.name)
 def test_ws3(row, strategy):
-    _check(_report(3, STRATEGIES), row, strategy)
+    _check(_report(3, STRATEGIES, "ROWS" if row in ROWS else "WHOLE_ROWS"), row, strategy)

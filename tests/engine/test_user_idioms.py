@@ -91,6 +91,10 @@ class Row:
     run: Callable[[nn.Module, Side], dict]  # the user's code: wraps the model, trains, reports
     refused: Optional[str] = None  # the sharded run raises a ShardwiseError containing this, on every rank
     copyable: bool = True  # False: build twice from the same RNG state (a weight_norm module cannot be copied)
+    # True: a collective on one rank only, after which the process group is unusable: the row runs in its own
+    # processes, under the first strategy only (the refusal is the same agreement under every strategy)
+    alone: bool = False
+    sharded_only: bool = False  # True: ``refused`` only where parameters are pieces (not under no_shard)
 
 
 # ---- models ----------------------------------------------------------------------------------------------
@@ -331,6 +335,201 @@ def resize_after_wrapping(model, side):
     return dict(rows=inner.get_input_embeddings().num_embeddings)
 
 
+def counts_and_shapes(model, side):
+    """nanoGPT's get_num_params and the shape printouts people write after wrapping."""
+    model = side.wrap(model, units={Block})
+    params = list(model.parameters())
+    return dict(numel=sum(p.numel() for p in params), shapes=[tuple(p.shape) for p in params],
+                dims=[p.dim() for p in params], ndims=[p.ndim for p in params], lens=[len(p) for p in params],
+                sizes=[tuple(p.size()) for p in params])
+
+
+def decay_groups(select_decay: Callable[[str, torch.Tensor], bool]):
+    """Weight-decay groups chosen from each parameter's shape, then AdamW."""
+
+    def run(model, side):
+        model = side.wrap(model, units={Block})
+        named = {n.removeprefix("module."): p for n, p in model.named_parameters() if p.requires_grad}
+        decay = [p for n, p in named.items() if select_decay(n, p)]
+        no_decay = [p for n, p in named.items() if not select_decay(n, p)]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=1e-2)
+        losses = []
+        for x, y in side.batches():
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(mean_over_ranks(loss))
+        return dict(groups=[len(decay), len(no_decay)], decayed=sum(p.numel() for p in decay), losses=losses,
+                    weights=side.whole(model))
+
+    return run
+
+
+def _file_loaded(path: str) -> dict:
+    """A saved state dict, loaded in one process, under the model's own names (DDP's carry ``module.``)."""
+    sd = torch.load(path, map_location="cpu", weights_only=True)
+    sd = sd.get("model", sd)
+    return {k.removeprefix("module."): v for k, v in sd.items()}
+
+
+def save_state_dict(where: str):
+    """``torch.save(model.state_dict(), path)`` after training: on rank 0 only (pytorch/examples' ImageNet
+    saves on the first rank of each node), or on every rank into one path (a per-epoch save nobody guarded),
+    or a nanoGPT-style checkpoint dict on every rank."""
+
+    def run(model, side):
+        model = side.wrap(model, units={Block})
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for x, y in side.batches(steps=2):
+            model(x, y).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        path = f"{side.tmp}/{side.name}-{side.strategy}-{where}.pt"
+        if where == "rank 0":
+            if side.rank == 0:
+                torch.save(model.state_dict(), path)
+        elif where == "every rank":
+            torch.save(model.state_dict(), path)
+        else:  # a checkpoint dict
+            torch.save({"model": model.state_dict(), "iter_num": 2, "config": {"n_embd": 25}}, path)
+        x, y = next(side.batches(steps=1))
+        model(x, y).loss.backward()  # the run goes on (a collective every rank reaches)
+        dist.barrier()
+        return dict(loaded=_file_loaded(path) if side.rank == 0 else {})
+
+    return run
+
+
+def safetensors_save(model, side):
+    from safetensors.torch import save_file
+
+    model = side.wrap(model, units={Block})
+    path = f"{side.tmp}/{side.name}-{side.strategy}.safetensors"
+    sd = {k.removeprefix("module."): v.contiguous() for k, v in model.state_dict().items()}
+    save_file(sd, path)
+    dist.barrier()
+    from safetensors.torch import load_file
+    return dict(loaded=load_file(path) if side.rank == 0 else {})
+
+
+def save_pretrained(everywhere: bool):
+    """transformers' no-trainer examples: ``unwrapped.save_pretrained(dir, is_main_process=...)`` on every
+    rank; or guarded by ``if rank == 0`` around the whole call."""
+
+    def run(model, side):
+        from transformers import GPT2LMHeadModel
+
+        model = side.wrap(model, units=None)
+        inner = model.module if not side.sharded else model
+        out = f"{side.tmp}/{side.name}-{side.strategy}-{everywhere}"
+        if everywhere:
+            inner.save_pretrained(out, is_main_process=side.rank == 0)
+        elif side.rank == 0:
+            inner.save_pretrained(out)
+        x, y = next(side.batches(steps=1, seq=6))
+        inner(x, labels=y).loss.backward()
+        dist.barrier()
+        if side.rank != 0:
+            return dict(loaded={})
+        return dict(loaded=GPT2LMHeadModel.from_pretrained(out).state_dict())
+
+    return run
+
+
+def penalty(term: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    """A regulariser written from the parameters themselves (towards the initial weights)."""
+
+    def run(model, side):
+        model = side.wrap(model, units={Block})
+        start = [p.detach().clone() for p in model.parameters()]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for x, y in side.batches():
+            _, loss = model(x, y)
+            reg = sum(term(p, p0) for p, p0 in zip(model.parameters(), start))
+            (loss + 1e-2 * reg).backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(mean_over_ranks(loss))
+            losses.append(float(reg))
+        return dict(losses=losses, weights=side.whole(model))
+
+    return run
+
+
+def hand_accumulation(model, side):
+    """Accumulation by hand: ``acc += p.grad`` after every micro-batch, ``p.grad = acc / k`` at the end,
+    torch's clip_grad_norm_ and a step."""
+    model = side.wrap(model, units={Block})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    params = list(model.parameters())
+    losses, norms, k = [], [], 2
+    for x, y in side.batches():
+        acc = [torch.zeros_like(p) for p in params]
+        n = x.shape[0] // k
+        for m in range(k):
+            model(x[m * n:(m + 1) * n], y[m * n:(m + 1) * n]).loss.backward()
+            for a, p in zip(acc, params):
+                a += p.grad
+                p.grad = None
+        for a, p in zip(acc, params):
+            p.grad = a / k
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, 0.5)))
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            losses.append(mean_over_ranks(model(x, y).loss))
+    return dict(losses=losses, norms=norms, weights=side.whole(model))
+
+
+class ReadsBlockWeight(nn.Module):
+    """A root forward that uses a unit's weight directly (a head tied by hand to the first block's layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 7)
+        self.blocks = nn.ModuleList(nn.Linear(7, 7) for _ in range(2))
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        logits = x @ self.embed.weight.T + self.blocks[0].weight.sum()
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def reads_block_weight(rank: int) -> nn.Module:
+    torch.manual_seed(5)
+    return ReadsBlockWeight()
+
+
+def root_reads_unit_weight(model, side):
+    model = side.wrap(model, units={nn.Linear})
+    losses = []
+    for x, y in side.batches(steps=1):
+        loss = model(x, y)
+        loss.backward()
+        losses.append(mean_over_ranks(loss))
+    return dict(losses=losses)
+
+
+def averaged_model(model, side):
+    """``AveragedModel(model)`` built before wrapping (an EMA of the weights), updated after every step."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    model = side.wrap(model, units={Block})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in side.batches():
+        model(x, y).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update_parameters(model)
+    return dict(ema={k: v.detach().clone() for k, v in ema.module.state_dict().items()} if side.rank == 0 else {})
+
+
 ROWS: dict[str, Row] = {
     # seeds (nanoGPT seeds 1337 + rank before building the model; ImageNet's script seeds only if asked)
     "seed 1337 + rank": Row(gpt_seeded_per_rank, gpt_loop),
@@ -351,6 +550,36 @@ ROWS: dict[str, Row] = {
                                       refused="renormalises the rows it looks up in place"),
     "resize_token_embeddings after wrapping": Row(hf_gpt2, resize_after_wrapping,
                                                   refused="resize_token_embeddings() after shardwise.shard()"),
+    # (the weight outside its unit's forward is the whole parameter: its sum is a reduction, exact)
+    "root forward reads a unit's weight": Row(reads_block_weight, root_reads_unit_weight),
+    "AveragedModel built before wrapping": Row(gpt, averaged_model),
+    # what a parameter is: shapes and counts, decay groups by shape
+    "parameter count and shapes": Row(gpt, counts_and_shapes),
+    "decay groups by p.dim() >= 2 (nanoGPT)": Row(gpt, decay_groups(lambda n, p: p.dim() >= 2)),
+    "no decay for p.ndim <= 1 or biases (timm)": Row(gpt, decay_groups(lambda n, p: not (p.ndim <= 1 or n.endswith(".bias")))),
+    # saves, loaded back in one process
+    "torch.save(model.state_dict()) on rank 0": Row(gpt, save_state_dict("rank 0"), alone=True,
+                                                    refused="ranks [0] are at torch.save of a sharded model's state_dict()"),
+    "torch.save(model.state_dict()) on every rank": Row(gpt, save_state_dict("every rank")),
+    "checkpoint dict on every rank": Row(gpt, save_state_dict("checkpoint dict")),
+    # (under no_shard parameters are whole: the file is the whole model, as DDP's)
+    "safetensors save_file(model.state_dict())": Row(gpt, safetensors_save, sharded_only=True,
+                                                     refused="on a piece of a sharded parameter or gradient"),
+    "save_pretrained on every rank": Row(hf_gpt2, save_pretrained(True)),
+    "save_pretrained on rank 0 only": Row(hf_gpt2, save_pretrained(False), alone=True,
+                                          refused="ranks [0] are at save_whole_model"),
+    # penalties written from the parameters
+    "F.mse_loss penalty": Row(gpt, penalty(lambda p, p0: F.mse_loss(p, p0))),
+    "F.l1_loss penalty": Row(gpt, penalty(lambda p, p0: F.l1_loss(p, p0))),
+    "F.smooth_l1_loss penalty": Row(gpt, penalty(lambda p, p0: F.smooth_l1_loss(p, p0))),
+    # (shifted off zero: the cosine of an all-zero bias divides by its clamped norm, a 1e8 gradient that makes
+    # any two reduction orders differ; and -cos, not 1 - cos, whose logged value cancels in fp32)
+    "cosine_similarity penalty": Row(gpt, penalty(lambda p, p0: -F.cosine_similarity(p.flatten() + 1, p0.flatten() + 2, dim=0))),
+    "torch.dist penalty": Row(gpt, penalty(lambda p, p0: torch.dist(p, p0 + 1))),
+    "sigmoid().mean() penalty": Row(gpt, penalty(lambda p, p0: p.sigmoid().mean())),
+    "norm penalty with all-zero parameters": Row(gpt, penalty(lambda p, p0: p.norm())),
+    "linalg.vector_norm penalty": Row(gpt, penalty(lambda p, p0: torch.linalg.vector_norm(p))),
+    "hand-written accumulation and torch's clip_grad_norm_": Row(gpt, hand_accumulation),
 }
 
 
@@ -417,9 +646,10 @@ def check_rows(report: list, names, strategies) -> None:
             for strategy in strategies:
                 got = per_rank[name][strategy]
                 where = f"{name!r} {strategy} rank {rank}"
-                if row.refused is not None:
-                    if row.refused not in got.get("shardwise_error", ""):
-                        problems.append(f"{where}: expected a ShardwiseError containing {row.refused!r}, got {got}")
+                refused = None if row.sharded_only and strategy == "no_shard" else row.refused
+                if refused is not None:
+                    if refused not in got.get("shardwise_error", ""):
+                        problems.append(f"{where}: expected a ShardwiseError containing {refused!r}, got {got}")
                 elif "result" not in got:
                     problems.append(f"{where}: raised {got}")
                 else:
@@ -435,16 +665,25 @@ _REPORTS: dict = {}
 def report(ws: int, strategies: tuple) -> list:
     key = (ws, strategies)
     if key not in _REPORTS:
-        _REPORTS[key] = run_distributed(_worker, ws, list(ROWS), strategies, timeout_s=120)
+        shared = [name for name, row in ROWS.items() if not row.alone]
+        _REPORTS[key] = run_distributed(_worker, ws, shared, strategies, timeout_s=120)
     return _REPORTS[key]
+
+
+def check(name: str, ws: int, strategies: tuple) -> None:
+    if ROWS[name].alone:
+        strategies = strategies[:1]
+        check_rows(run_distributed(_worker, ws, [name], strategies, timeout_s=120), [name], strategies)
+    else:
+        check_rows(report(ws, strategies), [name], strategies)
 
 
 @pytest.mark.parametrize("name", list(ROWS))
 def test_idiom_at_world_size_2(name):
-    check_rows(report(2, DEFAULT_STRATEGIES), [name], DEFAULT_STRATEGIES)
+    check(name, 2, DEFAULT_STRATEGIES)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(ROWS))
 def test_idiom_at_world_size_3_every_strategy(name):
-    check_rows(report(3, ALL_STRATEGIES), [name], ALL_STRATEGIES)
+    check(name, 3, ALL_STRATEGIES)

@@ -161,7 +161,7 @@ def accelerate_prepare_optimizer(rank, ws):
 
 
 def state_dict_per_rank(rank, ws):
-    """Each rank saves and loads its own ``model.state_dict()`` (the same world size and plan)."""
+    """Every rank saves ``model.state_dict()`` (whole tensors) and loads it into a fresh sharded model."""
     model = _train(_sharded(), rank, ws)
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
@@ -171,23 +171,30 @@ def state_dict_per_rank(rank, ws):
 
 
 def state_dict_saved_by_rank0(rank, ws):
-    """The DDP habit: rank 0 saves ``model.state_dict()``, every rank loads it."""
+    """The DDP habit: rank 0 alone saves ``model.state_dict()``, every rank trains on. Pickling a piece
+    gathers the whole tensor, a collective on one rank: every rank raises naming it at the next compare."""
     model = _train(_sharded(), rank, ws)
-    model.load_state_dict(torch.load(_broadcast_bytes(model.state_dict()), weights_only=True))
+    if rank == 0:
+        torch.save(model.state_dict(), io.BytesIO())
+    _train(model, rank, ws, steps=1)
 
 
 def state_dict_copied(rank, ws):
-    """Pieces in a plain dict (as a safetensors file holds them): whose pieces they are is lost."""
-    model = _sharded()
+    """``model.state_dict()`` copied into a plain dict (clones: pieces of the same layout), loaded back."""
+    model = _train(_sharded(), rank, ws)
     model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+    return _train(model, rank, ws, steps=1), _train(_reference(), 0, 1, steps=1)
 
 
 def state_dict_other_world(rank, ws):
-    """Pieces saved under another shard size (here: hybrid_shard over groups of one rank)."""
+    """The state dict of the same model sharded otherwise (hybrid_shard over groups of one rank: whole
+    tensors), loaded into a full_shard model."""
     from torch.distributed.device_mesh import init_device_mesh
     other = shardwise.shard(_gpt(), units={Block}, strategy="hybrid_shard",
                             mesh=init_device_mesh("cpu", (ws, 1), mesh_dim_names=("replicate", "shard")))
-    _sharded().load_state_dict(other.state_dict())
+    model = _sharded()
+    model.load_state_dict(_train(other, rank, ws).state_dict())
+    return _train(model, rank, ws, steps=1), _train(_reference(), 0, 1, steps=1)
 
 
 def single_process_checkpoint(rank, ws):
@@ -305,8 +312,7 @@ class Row:
 
 
 DDP = "DistributedDataParallel around this"
-OTHERS_PIECES = "are 1-D pieces of a sharded model"
-MOVED = "was removed from its module after shardwise.shard()"
+ONE_RANK_GATHER = "ranks [0] are at torch.save of a sharded model's state_dict() pieces"
 DEEPCOPY = "copy.deepcopy() of a sharded model"
 COMPOSABLE = "torch.distributed's fully_shard, replicate and the FSDP"
 
@@ -322,17 +328,15 @@ ROWS = [
     Row("accelerate prepare(model, optimizer)", accelerate_prepare_model, DDP),
     Row("accelerate prepare(optimizer) + clip_grad_norm_", accelerate_prepare_optimizer),
     Row("state_dict per rank, load_state_dict", state_dict_per_rank),
-    Row("state_dict saved by rank 0, loaded everywhere", state_dict_saved_by_rank0, "another rank, plan or world size"),
-    Row("state_dict pieces in a plain dict", state_dict_copied, "without shardwise's stamp"),
-    Row("state_dict from another shard size", state_dict_other_world, "another rank, plan or world size"),
+    Row("state_dict pieces in a plain dict", state_dict_copied),
+    Row("state_dict from another shard size", state_dict_other_world),
     Row("load_state_dict of a single-process checkpoint", single_process_checkpoint),
     Row("load_state_dict of full_state_dict, another strategy", full_state_dict_round_trip),
     Row("spectral_norm after shard", after_shard(lambda m: torch.nn.utils.parametrizations.spectral_norm(m.lm_head)),
-        MOVED),
-    # L1 pruning ranks the parameter's elements: its topk of a ShardParam is refused at the call; a rank whose
-    # piece is empty prunes nothing there and is refused at the next forward instead.
-    Row("prune after shard", after_shard(prune_head), ("depends on positions in the whole tensor", MOVED)),
-    Row("register_parametrization after shard", after_shard(parametrize_head), MOVED),
+        "reorders or selects positions"),  # (its power iteration transposes the weight)
+    # L1 pruning ranks the parameter's elements: its topk of a piece is refused at the call.
+    Row("prune after shard", after_shard(prune_head), "depends on positions in the whole tensor"),
+    Row("register_parametrization after shard", after_shard(parametrize_head), "changes the tensor's storage"),
     Row("composable checkpoint(block) after shard", after_shard(composable_checkpoint)),
     Row("model.apply(zeros_/ones_/constant_ init) after shard", after_shard(deterministic_init)),
     Row("model.apply(trunc_normal_ init) after shard", after_shard(random_init), "a random fill draws this rank's"),
@@ -340,6 +344,9 @@ ROWS = [
     Row("copy.deepcopy (EMA)", ema_by_deepcopy, DEEPCOPY),
     Row("swa_utils.AveragedModel", averaged_model, DEEPCOPY),
     Row("torch.save(model) (the whole module)", pickle_whole_model, "torch.save(model) / pickle of a sharded model"),
+    # Last: the disagreement leaves the other rank in an in-band collective (gloo's default), found by the
+    # stall watchdog; the process group is unusable after it.
+    Row("torch.save(model.state_dict()) on rank 0 alone", state_dict_saved_by_rank0, ONE_RANK_GATHER),
 ]
 # Compiling costs ~20 s of CPU per rank, importing Trainer a few seconds.
 SLOW_ROWS = [Row("torch.compile(model)", compiled), Row("Hugging Face Trainer(model)", hf_trainer, DDP)]

@@ -37,6 +37,7 @@ from parity_utils import (
 
 import shardwise
 from shardwise.engine.core.runtime import runtime_of
+from shardwise.engine.surface.pieces import local_of
 
 STRATEGIES = ("shard_optim", "shard_optim_grad")
 STEPS = 3
@@ -141,7 +142,7 @@ def _memory(strategy):
         gpt_loss(model, x, x).backward()
         rt = runtime_of(model)
         kept = all(g.gathered.untyped_storage().nbytes() > 0 for g in rt.flat_groups())
-        grad_bytes = {p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None}
+        grad_bytes = {local_of(p.grad).untyped_storage().nbytes() for p in model.parameters() if p.grad is not None}
         groups = [g for g in rt.flat_groups()]
         return {"kept": kept, "grad_bytes": sorted(grad_bytes),
                 "shard_bytes": sorted({4 * g.plan.shard_numel for g in groups}),

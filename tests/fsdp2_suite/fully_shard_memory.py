@@ -11,6 +11,8 @@ import torch.distributed as dist
 from fsdp2_cases import Case, STRATEGIES, WORLD_SIZES, add_case, assert_eq, bwd, gpt, token_batches, unit_of
 from models import Block, GPT, tiny_gpt_config
 
+from shardwise.engine.surface.pieces import local_of
+
 
 def gathered_bytes(ctx, model) -> int:
     """Bytes of full (unsharded) parameter storage alive now. Ours: every flat group's gathered buffer.
@@ -39,7 +41,7 @@ def gathered_bytes(ctx, model) -> int:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
+    return t._local_tensor if hasattr(t, "_local_tensor") else local_of(t)  # (a DTensor's, a piece's)
 
 
 MEMORY_LAYERS = 6  # deep enough that "3 blocks + root" is well below the whole model

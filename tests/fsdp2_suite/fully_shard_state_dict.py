@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import shardwise
+from shardwise.engine.surface.pieces import local_of
 from fsdp2_cases import (Case, MLP, STRATEGIES, WORLD_SIZES, add_case, assert_eq, case, cpu_offload_policy,
                          mean_sq_step, mlp_stack, randn_batches, unit, unit_of)
 from parity_utils import rel_err
@@ -102,7 +103,7 @@ def case_state_dict_cached(ws):
         return nn.Linear(5, 5, bias=False)
 
     def local(t):
-        return t._local_tensor if hasattr(t, "_local_tensor") else t
+        return t._local_tensor if hasattr(t, "_local_tensor") else local_of(t)  # (a DTensor's, a piece's)
 
     def step(ctx, model, x):
         if ctx.i == 0:

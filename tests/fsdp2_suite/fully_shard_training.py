@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardwise
+from shardwise.engine.surface.pieces import is_piece
 from fsdp2_cases import (Case, ChunkedHeadModel, CkptGPT, GB, MLP, Raiser, RESHARD, STRATEGIES, WORLD_SIZES, add_case,
                          assert_eq, bwd, case, count_reduce_scatters, cpu_offload_policy, fsdp2_shard, full_params, gpt,
                          gpt_step, grad_sync, mean_sq_step, mlp_stack, randn_batches, token_batches, unit, unit_of)
@@ -445,12 +446,13 @@ def case_root_no_forward_inputs(ws):
 
 @case()
 def case_param_registration(ws):
-    """After forward and after backward every parameter is its 1-D shard (FSDP2: a DTensor); gathering the
-    full parameters on demand (ours: summon_full_params; FSDP2: unshard()/reshard()) shows full shapes."""
+    """After forward and after backward every parameter is its shard (FSDP2: a DTensor; ours: a piece, whole
+    shape over this rank's elements); gathering the full parameters on demand (ours: summon_full_params;
+    FSDP2: unshard()/reshard()) shows full shapes."""
 
     def shapes_ok(ctx, model):
         if ctx.side == "shardwise":
-            return all(p.dim() == 1 for p in model.parameters())
+            return all(is_piece(p) for p in model.parameters())
         if ctx.side == "fsdp2":
             return all(hasattr(p, "full_tensor") for p in model.parameters())
         return True
@@ -468,7 +470,7 @@ def case_param_registration(ws):
         if ctx.side == "shardwise":
             with shardwise.summon_full_params(model):
                 got = {n: tuple(p.shape) for n, p in model.named_parameters()}
-            back = all(p.dim() == 1 for p in model.parameters())
+            back = shapes_ok(ctx, model)
         elif ctx.side == "fsdp2":
             for m in model.modules():
                 if hasattr(m, "unshard"):

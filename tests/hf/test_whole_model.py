@@ -179,6 +179,36 @@ def _adapter(rank: int, root: str) -> dict:
             "config": cfg(ours) == cfg(theirs)}
 
 
+def _save_pretrained(rank: int, root: str) -> dict:
+    """``model.save_pretrained(dir, is_main_process=rank == 0)`` on every rank, as transformers' no-trainer
+    examples call it, is save_whole_model: the files the unsharded model's save_pretrained writes; a peft
+    model's writes its adapter; an argument the streamed writer cannot honour is refused by name."""
+    from peft import LoraConfig, get_peft_model
+
+    import shardwise
+
+    ref = _model("llama")
+    model = shardwise.shard(_model("llama"), units="auto")
+    ours, theirs = os.path.join(root, "pretrained-ours"), os.path.join(root, "pretrained-theirs")
+    model.save_pretrained(ours, is_main_process=rank == 0)
+    try:
+        model.save_pretrained(os.path.join(root, "pretrained-refused"), state_dict={})
+        refused = None
+    except shardwise.ShardwiseError as e:
+        refused = str(e)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    torch.manual_seed(0)
+    peft_model = shardwise.shard(get_peft_model(_model("llama"), config), units="auto")
+    adapter = os.path.join(root, "pretrained-adapter")
+    peft_model.save_pretrained(adapter)
+    if rank != 0:
+        return {"refused": refused}
+    ref.save_pretrained(theirs)
+    return {"files": sorted(os.listdir(ours)) == sorted(os.listdir(theirs)),
+            "tensors": _same_tensors(_tensors(ours), _tensors(theirs)), "refused": refused,
+            "adapter": sorted(os.listdir(adapter))}
+
+
 def _scenarios(rank: int, world: int, root: str) -> dict:
     return run_scenarios({
         "llama": lambda r, w: _matches_save_pretrained(r, root, "llama"),
@@ -187,6 +217,7 @@ def _scenarios(rank: int, world: int, root: str) -> dict:
         "streamed": lambda r, w: _one_group_at_a_time(r, root),
         "failed_write": lambda r, w: _failed_write(r, root),
         "adapter": lambda r, w: _adapter(r, root),
+        "save_pretrained": lambda r, w: _save_pretrained(r, root),
     }, rank, world)
 
 
@@ -244,22 +275,37 @@ def test_whole_model_of_a_peft_model_is_its_adapter(world, root):
     assert r["tensors"] and r["config"], r
 
 
-def _alone(rank: int, world: int, root: str) -> str | None:
+@pytest.mark.parametrize("world", WORLDS)
+def test_save_pretrained_of_a_sharded_model_is_the_whole_model(world, root):
+    reports = _report(world, f"{root}/{world}")
+    r = scenario(reports[0], "save_pretrained")
+    assert r["files"] and r["tensors"], r
+    assert r["adapter"] == ["adapter_config.json", "adapter_model.safetensors"], r
+    for rank_report in reports:
+        refused = scenario(rank_report, "save_pretrained")["refused"]
+        assert refused and "save_pretrained(..., state_dict={})" in refused, refused
+
+
+def _alone(rank: int, world: int, root: str, how: str) -> str | None:
     import shardwise
 
     model = shardwise.shard(_model("llama"), units="auto")
     x = torch.randint(0, VOCAB, (2, 8))
     try:
         if rank == 0:
-            shardwise.save_whole_model(model, os.path.join(root, "alone"))
+            if how == "save_pretrained":  # (the DDP habit: guarded by the rank, not is_main_process)
+                model.save_pretrained(os.path.join(root, "alone"))
+            else:
+                shardwise.save_whole_model(model, os.path.join(root, "alone"))
         model(input_ids=x, labels=x).loss.backward()
     except shardwise.ShardwiseError as e:
         return str(e)
     return None
 
 
-def test_whole_model_saved_on_one_rank_only_is_named_on_every_rank(tmp_path):
-    errors = run_distributed(_alone, 2, str(tmp_path), timeout_s=60,
+@pytest.mark.parametrize("how", ["save_whole_model", "save_pretrained"])
+def test_whole_model_saved_on_one_rank_only_is_named_on_every_rank(tmp_path, how):
+    errors = run_distributed(_alone, 2, str(tmp_path), how, timeout_s=60,
                              env={"SHARDWISE_GLOO_NATIVE_COLLECTIVES": "1"})
     for e in errors:
         assert e and "ranks [0] are at save_whole_model" in e, errors

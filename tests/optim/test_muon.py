@@ -113,6 +113,7 @@ def _give_sharded_grads(model, ref) -> None:
     """Set the reference's gradients to the sharded run's, gathered whole over each shard group."""
     import shardwise
     from shardwise.engine.logical_shapes import layout_of
+    from shardwise.engine.surface.pieces import local_of
 
     named = dict(ref.named_parameters())
     for name, p in model.named_parameters():
@@ -121,7 +122,7 @@ def _give_sharded_grads(model, ref) -> None:
             continue
         info = shardwise.param_info(p)
         full = torch.zeros(info.numel, dtype=p.grad.dtype)
-        full[info.offset:info.offset + info.local_numel] = p.grad
+        full[info.offset:info.offset + info.local_numel] = local_of(p.grad)  # this rank's elements
         group = layout_of(p)[0].pgs.shard
         if group is not None:
             dist.all_reduce(full, group=group)

@@ -17,6 +17,7 @@ or traffic is ever spent on a frozen parameter, and no buffer mixes dtypes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
@@ -50,8 +51,8 @@ class ParamSpec:
     def fqn(self) -> str:
         return self.refs[0].fqn
 
-    @property
-    def numel(self) -> int:
+    @cached_property
+    def numel(self) -> int:  # (read hundreds of times a step: a plan's shapes never change)
         return self.shape.numel()
 
     def local_range(self, shard_start: int, shard_end: int) -> tuple[int, int]:
@@ -69,15 +70,16 @@ class FlatGroupPlan:
     params: list[ParamSpec]
     shard_size: int
 
-    @property
+    # (Cached: read hundreds of times a step; a plan is made whole, and its parameters and shapes never change.)
+    @cached_property
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
 
-    @property
+    @cached_property
     def shard_numel(self) -> int:
         return -(-self.numel // self.shard_size)  # ceil: the last rank's shard ends in padding
 
-    @property
+    @cached_property
     def padded_numel(self) -> int:
         return self.shard_numel * self.shard_size
 

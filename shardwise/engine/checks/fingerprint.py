@@ -43,18 +43,25 @@ from shardwise.engine.base import collectives, flags, watchdog
 from shardwise.engine.base.device import control_group
 from shardwise.errors import ShardwiseError
 
+# A piece pickled (torch.save of model.state_dict()) gathers the whole: on one rank only, this names it.
+PICKLE_PIECES = ("torch.save of a sharded model's state_dict() pieces (every rank must call it; or use "
+                 "shardwise.save_whole_model / shardwise.full_state_dict)")
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast_buffers", "clip_grad_norm", "state_dict",
        "summon_full_params", "checkpoint", "kept_copy_agreement", "grad_reduction",
        "optimizer_state_check", "tensor_hook_gather", "overflow_vote", "load_state_dict", "phase_start",
        "buffer_changes", "plan_check", "muon_exchange", "host_reduction", "save_whole_model", "initial_weights",
-       "rng_state", "grad_usage")
+       "rng_state", "grad_usage", "piece_gather", PICKLE_PIECES)
 MODEL = 256**3 - 1  # the unit field of a collective that belongs to the model as a whole, not to one unit
 PHASES = ("idle", "forward", "forward without grad", "backward")
 RING = 16  # collectives each rank remembers for stall reports
 RING_SHOWN = 4  # of which a stall report shows the last few per rank
-# An exchange: (checker, call, op, unit, group, numel, phase, expected sequence's hash and length, flags).
-# Ranks agree when the first seven fields are equal; the flags are OR-ed (every rank learns every rank's).
-_FIELDS = 10
+# An exchange: (checker, call, op, unit, group, numel, phase, expected sequence's hash and length, flag words).
+# Ranks agree when the first seven fields are equal; the flag words are OR-ed (every rank learns every rank's).
+# Word 0 carries a phase's flags; an OR of up to FLAG_WORDS words rides in the exchange itself (``or_words``:
+# the usage marks of a backward, one bit a parameter), so it costs no collective of its own.
+FLAG_WORDS = 16
+_FLAGS = 9
+_FIELDS = _FLAGS + FLAG_WORDS
 _AGREED = 7
 
 
@@ -86,10 +93,10 @@ class CollectiveChecker:
         every rank's ``flags_`` (stale kept copies, changed buffers: runtime.py)."""
         self.end_phase()
         expected = self._expected.get(kind, [])
-        table = self._exchange("phase_start", MODEL, 0, 0, kind, _hash(expected), len(expected), flags_)
+        table = self._exchange("phase_start", MODEL, 0, 0, kind, _hash(expected), len(expected), [flags_])
         same = bool((table[:, 7:9] == table[0, 7:9]).all())  # every rank expects the same sequence
         self._phase, self._issued, self._on_track = kind, [], same and bool(expected)
-        return _or(table[:, 9])
+        return _or(table[:, _FLAGS])
 
     def end_phase(self) -> None:
         """The open phase is over (ended, abandoned or recovered from): what it issued is what the next phase
@@ -121,7 +128,20 @@ class CollectiveChecker:
         once, here; one collective is agreed and issued by ``collectives.run_agreed``."""
         if self.group is None:
             return flags_
-        return _or(self._exchange(op, unit, group, numel, self._phase or self.phase_fn(), flags_=flags_)[:, 9])
+        return self.or_words(op, numel, [flags_], unit, group)[0]
+
+    def or_words(self, op: str, numel: int, words: Sequence[int], unit: int = MODEL, group: int = 0) -> list[int]:
+        """``check_now`` whose exchange also ORs ``words`` (at most ``FLAG_WORDS`` non-negative int64s) over
+        every rank: an agreement that needs nothing but an OR is done in the check's own exchange."""
+        if len(words) > FLAG_WORDS:
+            raise ValueError(f"or_words: {len(words)} words, at most {FLAG_WORDS} ride in an exchange")
+        if self.group is None:
+            return list(words)
+        table = self._exchange(op, unit, group, numel, self._phase or self.phase_fn(), flags_=words)
+        ored = [0] * len(words)
+        for row in table[:, _FLAGS:_FLAGS + len(words)].tolist():
+            ored = [a | b for a, b in zip(ored, row)]
+        return ored
 
     # ---- the exchange --------------------------------------------------------------------------------
     def _note(self, op: str, unit: int, group: int, numel: int, phase: str) -> list[int]:
@@ -131,8 +151,9 @@ class CollectiveChecker:
         return values
 
     def _exchange(self, op: str, unit: int, group: int, numel: int, phase: str, expected_hash: int = 0,
-                  expected_len: int = 0, flags_: int = 0) -> torch.Tensor:
-        values = [self.ident] + self._note(op, unit, group, numel, phase) + [expected_hash, expected_len, flags_]
+                  expected_len: int = 0, flags_: Sequence[int] = (0,)) -> torch.Tensor:
+        values = [self.ident] + self._note(op, unit, group, numel, phase) + [expected_hash, expected_len]
+        values += list(flags_) + [0] * (FLAG_WORDS - len(flags_))
         mine = torch.tensor(values, dtype=torch.int64)
         everyone = torch.empty(self.world * _FIELDS, dtype=torch.int64)
         collectives.all_gather_into(everyone, mine, self.group, async_op=False,
@@ -306,7 +327,8 @@ def check_same_plan(description: str) -> None:
         return
     digest = int.from_bytes(hashlib.sha256(description.encode()).digest()[:7], "little")
     world = dist.get_world_size()
-    mine = torch.tensor([0, 0, OPS.index("plan_check"), MODEL, 0, digest, 0, 0, 0, 0], dtype=torch.int64)
+    mine = torch.tensor([0, 0, OPS.index("plan_check"), MODEL, 0, digest, 0] + [0] * (_FIELDS - _AGREED),
+                        dtype=torch.int64)
     everyone = torch.empty(world * _FIELDS, dtype=torch.int64)
     collectives.all_gather_into(everyone, mine, group, async_op=False, what="the sharding-plan check in shard()")
     table = everyone.view(world, _FIELDS)

@@ -5,9 +5,9 @@ A parameter that no rank's backward reached in a step (an unused ``Linear``, a l
 momentum leave it alone. Its flat group still reduces it (the packed gradient holds zeros there), so each
 reduction records, per parameter, whether this rank packed a gradient for it (``UnshardParams`` hands over
 ``None`` for an output that got none; ``no_sync`` micro-batches fold theirs in). At the end of a synced
-backward the ranks OR these marks: one small all-gather of host words (62 parameters each) on the control
-group (base/device.py), agreed before it is issued like every control collective (checks/fingerprint.py). The
-sink then drops the gradients it started for parameters no rank used (core/seams.py, ``end_backward``);
+backward the ranks OR these marks on the control group (base/device.py): inside the agreement's own exchange
+up to 992 parameters, else one small all-gather of host words agreed before it is issued like every control
+collective (checks/fingerprint.py). The sink then drops the gradients it started for parameters no rank used (core/seams.py, ``end_backward``);
 a parameter used on some rank only keeps the averaged gradient, zeros from the others, as DDP's
 ``find_unused_parameters`` gives.
 """
@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from shardwise.engine.base import collectives
 from shardwise.engine.base.device import control_group
+from shardwise.engine.checks.fingerprint import FLAG_WORDS
 
 BITS = 62  # per int64 word: stays positive, so the words survive any integer exchange unchanged
 
@@ -59,19 +60,24 @@ def agree_now(marks: Sequence[bool], checker, unit: int, what: str) -> list[bool
 
 
 def _ored(marks: Sequence[bool], checker, what: str, unit: Optional[int] = None) -> list[bool]:
-    """Control traffic: one all-gather of the packed marks (host words) on the control group over every rank,
-    agreed first like any collective outside the unit schedule (``collectives.run_agreed``: the exchange
-    before it has one size whatever each rank is doing, so a rank here and a rank in a tensor hook's
-    ``check_now`` meet in a named disagreement, never in collectives of two sizes). Every rank sends every
-    trainable group's marks, so the all-gather has the same size everywhere whatever ran."""
+    """Control traffic on the control group over every rank. Up to ``FLAG_WORDS`` words (62 parameters each)
+    the OR rides in the check's own exchange (``or_words``: one collective, the same size as every other
+    exchange, so a rank here and a rank in a tensor hook's ``check_now`` meet in a named disagreement);
+    more words travel in an all-gather of their own, agreed first like any collective outside the unit
+    schedule (``collectives.run_agreed``). Every rank sends every trainable group's marks, so what travels
+    has the same size everywhere whatever ran."""
     group = control_group()
     if group is None:
         return list(marks)
-    mine = torch.tensor(pack(marks), dtype=torch.int64)
+    words = pack(marks)
+    where = {} if unit is None else {"unit": unit}
+    if checker is not None and len(words) <= FLAG_WORDS:
+        return unpack(checker.or_words("grad_usage", len(marks), words, **where), len(marks))
+    mine = torch.tensor(words, dtype=torch.int64)
     world = dist.get_world_size()
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64)
     collectives.run_agreed(checker, "grad_usage", collectives.all_gather_into, everyone, mine, group=group,
-                           what=what, **({} if unit is None else {"unit": unit}))
+                           what=what, **where)
     words = [0] * mine.numel()
     for row in everyone.view(world, -1).tolist():
         words = [w | r for w, r in zip(words, row)]

@@ -11,8 +11,9 @@ costs nothing but the gradients of the failed step, as in plain PyTorch after ``
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -65,8 +66,10 @@ class ModelRuntime:
         self._on_track = False  # this forward so far matches the recorded order
         self._pending: deque[Reduction] = deque()
         self.transfers = transfers  # offload_transfers.OffloadTransfers, under CPU offload
-        # Every collective of the model agreed before it is issued (fingerprint.py), when the check is on.
-        self.checker = CollectiveChecker([u.label for u in plan.units], lambda: self.phase.value) \
+        # Every collective of the model agreed before it is issued (fingerprint.py), when the check is on. The
+        # checker reads the phase through a weak reference: pieces that outlive the model keep its checker
+        # (surface/layout.py), never the model.
+        self.checker = CollectiveChecker([u.label for u in plan.units], _phase_reader(weakref.ref(self))) \
             if check_collectives and groups.data_parallel_size > 1 else None
         self.buffers = None  # buffer_broadcast.BufferBroadcast, when rank 0's buffers are broadcast
         self.plan = plan  # plan.ShardingPlan: the units, groups and parameters (checkpoints read it)
@@ -355,3 +358,11 @@ def runtime_of(model: nn.Module) -> ModelRuntime:
     if rt is None:
         raise ShardwiseError(f"{type(model).__name__} is not sharded: call shardwise.shard(model, ...) first")
     return rt
+
+
+def _phase_reader(runtime_ref) -> Callable[[], str]:
+    """The runtime's phase, or ``"idle"`` once it is gone."""
+    def phase() -> str:
+        runtime = runtime_ref()
+        return runtime.phase.value if runtime is not None else "idle"
+    return phase

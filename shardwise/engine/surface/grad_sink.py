@@ -1,10 +1,11 @@
 """The sink a sharded model's flat groups hand their gradients to (core/seams.py: the interface).
 
-On top of the core's ``.grad`` views it makes each gradient a piece that knows the whole (a ``ShardGrad``,
-pieces.py, where the shard group has ranks), runs tensor hooks on the full gradient (param_hooks.py) and
-post-accumulate-grad hooks as autograd would have, refuses tensor hooks under ``no_sync``, and adds the
-gradients that reached a parameter directly (direct_grads.py) at the end of backward. Reads of the shard
-parameters go around the pieces' rules (``local_only``): no Python dispatch, no collective.
+On top of the core's ``.grad`` views it makes each gradient a ``Piece`` of its parameter's layout (the whole
+gradient to user code, this rank's elements a view of the reduced shard inside), runs tensor hooks on the
+full gradient (param_hooks.py) and post-accumulate-grad hooks as autograd would have, refuses tensor hooks
+under ``no_sync``, and adds the gradients that reached a parameter directly (direct_grads.py) at the end of
+backward. Reads of the shard parameters' attributes go around ``__torch_function__`` (``local_only``); the
+gradients' elements are read through ``local_of``: no Python dispatch, no collective.
 """
 
 from __future__ import annotations
@@ -17,16 +18,15 @@ from shardwise.engine.core.seams import GradSink, like_shard
 from shardwise.engine.surface.direct_grads import DirectGrads
 from shardwise.engine.surface.param_hooks import (full_grad, has_tensor_hooks, hooked_piece, post_accumulate_grad_hooks,
                                                   refuse_under_no_sync, run_post_accumulate_grad_hooks, tensor_hooks)
-from shardwise.engine.surface.pieces import ShardGrad, as_shard_grad, local_only
+from shardwise.engine.surface.pieces import Piece, local_only
+from shardwise.engine.surface.shard_param import as_grad_of
 
 
 class PieceGradSink(GradSink):
-    """One flat group's gradients as pieces. ``piece_key``: the group's (0: a group of one rank, whose
-    gradients are whole, plain tensors); ``on_direct_grad``: the runtime's ``begin_backward``."""
+    """One flat group's gradients as pieces. ``on_direct_grad``: the runtime's ``begin_backward``."""
 
-    def __init__(self, piece_key: int, transfers=None, on_direct_grad: Optional[Callable[[], None]] = None):
+    def __init__(self, transfers=None, on_direct_grad: Optional[Callable[[], None]] = None):
         super().__init__(transfers)
-        self.piece_key = piece_key
         self.direct = DirectGrads(on_direct_grad)  # gradients that reach the parameters directly (a penalty)
         self._full: Optional[torch.Tensor] = None  # the whole gradient for tensor hooks, gathered by deliver
 
@@ -39,19 +39,23 @@ class PieceGradSink(GradSink):
         super().deliver(group, grad_shard, final, used)
 
     def set_grad(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+        """``grad``: this rank's elements (a plain 1-D tensor, kept as the piece's memory), a piece, or None."""
+        if grad is not None and not isinstance(grad, Piece):
+            grad = Piece(grad, p._layout)
         with local_only():
             p.grad = grad
 
     def add_grad(self, p: torch.Tensor, piece: torch.Tensor) -> None:
-        """``p.grad += piece``, a ``ShardGrad`` where the shard group has ranks."""
-        key = self.piece_key
+        """``p.grad += piece`` (this rank's elements); the first gradient is ``piece`` itself (a view)."""
         with local_only():
-            if p.grad is None:
-                self.set_grad(p, as_shard_grad(piece, key) if key else piece)
-                return
-            if key and not isinstance(p.grad, ShardGrad):  # (a zeros handed out under no_sync, a user's tensor)
-                self.set_grad(p, as_shard_grad(p.grad, key))
-            p.grad.add_(piece)
+            grad = p.grad
+        if grad is None:
+            self.set_grad(p, piece)
+            return
+        if not isinstance(grad, Piece):  # a whole gradient autograd wrote past the routing: this rank's elements
+            grad = as_grad_of(p, grad, "a gradient autograd accumulated")
+            self.set_grad(p, grad)
+        grad._local.add_(piece)
 
     def wants_usage_at_hand_out(self, group) -> bool:
         """Post-accumulate-grad hooks run at the hand-out, and an offload optimizer may step there."""

@@ -1,10 +1,11 @@
 """What happens around every ``torch.optim.Optimizer`` step: the process-wide step hooks, both here.
 
-After a step, every gathered copy of a shard kept across steps (ZeRO-1/2) is refilled at its next unshard
-(``flat_group.mark_kept_copies_stale``). Before it, what a step over shard parameters checks:
+Before a step, the checks below, then the swap to plain local parameters (optimizer_swap.py: the step pays no
+Python dispatch); after it, the swap back, and every gathered copy of a shard kept across steps (ZeRO-1/2) is
+refilled at its next unshard (``flat_group.mark_kept_copies_stale``).
 
-A shard parameter is one rank's 1-D piece of a parameter. An optimizer steps it exactly as it would the
-whole only if it updates each element from that element's own values and the optimizer's scalars: the
+An optimizer steps this rank's elements of each parameter (its local parameter). That is exactly the step of
+the whole only if it updates each element from that element's own values and the optimizer's scalars: the
 *elementwise* family. Three things are checked, each once per optimizer (again when its parameter count
 changes, or its state is replaced by ``load_state_dict``), so a step costs a dict lookup:
 
@@ -15,7 +16,8 @@ changes, or its state is replaced by ``load_state_dict``), so a step costs a dic
   (orthogonalises a matrix), SparseAdam and any unknown class are refused by name, unless the user
   declares the class with ``shardwise.allow_optimizer`` (an explicit opt-in: "this class updates each
   element from that element alone", or "I accept the per-piece result").
-- **whose state it holds**: optimizer state is per piece. ``optimizer.state_dict()`` stamps every piece's
+- **whose state it holds**: optimizer state is per piece (plain tensors of this rank's elements).
+  ``optimizer.state_dict()`` stamps every piece's
   entry *in the dict it returns* (``optimizer.state`` itself is left alone) with the piece it belongs to
   (``STAMP_KEY``: a checksum of the parameter's name, its element range on this rank and its size);
   ``load_state_dict`` carries the stamps into ``optimizer.state``. At the first step after the state was
@@ -39,6 +41,8 @@ import torch.distributed as dist
 
 from shardwise.engine.base import collectives
 from shardwise.engine.core.flat_group import mark_kept_copies_stale
+from shardwise.engine.surface import optimizer_swap
+from shardwise.engine.surface.pieces import Piece
 from shardwise.engine.surface.shard_param import where_of
 from shardwise.errors import ShardwiseError
 
@@ -59,8 +63,9 @@ _allowed: set = set()  # shardwise.allow_optimizer and shardwise's own optimizer
 def allow_optimizer(optimizer_cls: type) -> type:
     """Accept ``optimizer_cls`` over sharded parameters although shardwise cannot tell it is elementwise.
 
-    After ``shard()`` an optimizer sees each rank's 1-D piece of every parameter; a class that updates each
-    element from that element's own values (and scalars) steps the pieces exactly as it would the whole.
+    After ``shard()`` an optimizer steps this rank's elements of every parameter (a plain 1-D tensor); a class
+    that updates each element from that element's own values (and scalars) steps them exactly as it would
+    the whole.
     Declare such a class here (a custom Adam variant, bitsandbytes' 8-bit Adam if its block-wise
     quantisation per piece is acceptable to you). Anything that looks across a parameter (norms, matrix
     factors, orthogonalisation, line search) will silently compute per piece. Returns the class, so it
@@ -68,6 +73,16 @@ def allow_optimizer(optimizer_cls: type) -> type:
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise ShardwiseError(f"shardwise.allow_optimizer takes a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
     _allowed.add(optimizer_cls)
+    return optimizer_cls
+
+
+_delegating: set = set()  # optimizers whose step only steps inner optimizers (offload_optimizer): not swapped
+
+
+def delegates_step(optimizer_cls: type) -> type:
+    """``optimizer_cls.step`` steps other optimizers over the same parameters, never the parameters itself:
+    those are swapped to local parameters, not it (shardwise's offload optimizer)."""
+    _delegating.add(optimizer_cls)
     return optimizer_cls
 
 
@@ -87,12 +102,13 @@ def is_elementwise(cls: type) -> bool:
 class _Guard:
     """What is known about one optimizer (kept in ``_GUARDS``)."""
 
-    __slots__ = ("numel", "pieces", "state")
+    __slots__ = ("numel", "pieces", "state", "swap")
 
-    def __init__(self, numel: int, pieces: list):
+    def __init__(self, numel: int, pieces: list, swap: Optional[optimizer_swap.Swap]):
         self.numel = numel
         self.pieces = pieces  # [(index in param order, param, FlatGroup, index in group)] of pieces
         self.state = None  # the state dict object last verified: load_state_dict replaces it
+        self.swap = swap  # None: the optimizer does not step its parameters itself (a wrapper, a delegator)
 
 
 def _params(optimizer) -> list:
@@ -109,19 +125,21 @@ def _examine(optimizer) -> _Guard:
                 f"{type(optimizer).__name__} holds parameter {fqn!r} from before shardwise.shard(); "
                 f"build the optimizer after shard() from model.parameters()")
         where = where_of(p)
-        if where is not None:  # a shard parameter: 1-D, a piece of the whole even for a group of one rank
+        if where is not None and isinstance(p, Piece):  # a shard parameter
             pieces.append((i, p) + tuple(where))
     cls = type(optimizer)
-    if pieces and not _is_wrapper(optimizer) and not is_elementwise(cls):
+    wrapper = _is_wrapper(optimizer)
+    if pieces and not wrapper and not is_elementwise(cls):
         name = f"{cls.__module__}.{cls.__qualname__}"
         raise ShardwiseError(
             f"{name} is not a known elementwise optimizer, and after shardwise.shard() it would step each rank's "
-            f"1-D piece of parameter {pieces[0][2].plan.params[pieces[0][3]].fqn!r} (and every other) as if it "
+            f"elements of parameter {pieces[0][2].plan.params[pieces[0][3]].fqn!r} (and every other) as if they "
             f"were the whole parameter: norms, matrix factors or line searches would be per piece. Use an "
             f"elementwise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, ASGD, Adadelta, "
-            f"Rprop), shardwise.optim.Muon, strategy='no_shard', or, if {cls.__name__} does update each element "
-            f"from that element alone, call shardwise.allow_optimizer({cls.__name__}) first")
-    return _Guard(len(params), pieces)
+            f"Rprop), shardwise.optim.Muon, or, if {cls.__name__} does update each element from that element "
+            f"alone, call shardwise.allow_optimizer({cls.__name__}) first")
+    steps_itself = pieces and not wrapper and not isinstance(optimizer, tuple(_delegating))
+    return _Guard(len(params), pieces, optimizer_swap.Swap(optimizer) if steps_itself else None)
 
 
 def _is_wrapper(optimizer) -> bool:
@@ -146,9 +164,19 @@ def _problem(p: torch.Tensor, state: dict) -> Optional[str]:
     saved = state.pop(STAMP_KEY, None)
     if saved is not None and saved != stamp_of(p):
         return "was saved for a different piece of it (another rank, world size or plan)"
+    local = p._local
     for name, value in state.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
-            return f"holds {name!r} of shape {tuple(value.shape)}, but this rank's piece has shape {tuple(p.shape)}"
+        if isinstance(value, Piece) and value._layout == p._layout:
+            # State made from the piece outside a step (Adagrad's constructor: full_like(p)): the optimizer
+            # steps the local parameter, so its state is this rank's elements.
+            value = state[name] = value._local
+        elif (isinstance(value, torch.Tensor) and not isinstance(value, Piece) and p._layout.is_whole
+              and value.shape == p.shape and value.shape != local.shape):
+            # The same under a group of one rank, where maths on the piece gives plain whole tensors.
+            value = state[name] = value.reshape(local.shape)
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != local.shape:
+            return (f"holds {name!r} of shape {tuple(value.shape)}, but this rank's piece has shape "
+                    f"{tuple(local.shape)}")
     return None
 
 
@@ -174,7 +202,7 @@ def verify_state(optimizer, guard: _Guard) -> None:
         detail = why if bad == first_bad else "on another rank of its shard group (see that rank's error)"
         raise ShardwiseError(
             f"{type(optimizer).__name__}'s state for parameter {fqn!r} {detail}: after shardwise.shard() "
-            f"optimizer.state_dict() holds this rank's pieces only. Save and load it per rank "
+            f"optimizer.state_dict() holds this rank's pieces only (plain tensors of its elements). Save and load it per rank "
             f"(torch.save(opt.state_dict(), f'optim-rank{{rank}}.pt')) at the same world size and plan, or use "
             f"shardwise.save_checkpoint / load_checkpoint, which reshard")
 
@@ -212,12 +240,23 @@ def examine(optimizer) -> _Guard:
     optimizer classes that are not elementwise over pieces."""
     guard = _GUARDS.get(optimizer)
     numel = sum(len(g["params"]) for g in optimizer.param_groups)
+    if guard is not None and guard.swap is not None and not guard.swap.current(optimizer):
+        guard = None  # (param groups replaced: prepare again)
     if guard is None or guard.numel != numel:
-        if guard is None and hasattr(optimizer, "register_state_dict_post_hook"):  # public since torch 2.3
+        if optimizer not in _GUARDS and hasattr(optimizer, "register_state_dict_post_hook"):  # public since 2.3
+            optimizer.register_state_dict_pre_hook(restore_swap)
+            optimizer.register_load_state_dict_pre_hook(lambda opt, state_dict: restore_swap(opt))
             optimizer.register_state_dict_post_hook(_stamp_state_dict)
         guard = _examine(optimizer)
         _GUARDS[optimizer] = guard
     return guard
+
+
+def restore_swap(optimizer) -> None:
+    """Undo the swap of a step that raised (optimizer_swap.py), before anything else reads the optimizer."""
+    guard = _GUARDS.get(optimizer)
+    if guard is not None and guard.swap is not None:
+        optimizer_swap.restore(optimizer, guard.swap)
 
 
 def verify_loaded(optimizer) -> None:
@@ -228,14 +267,42 @@ def verify_loaded(optimizer) -> None:
         guard.state = optimizer.state
 
 
-def before_step(optimizer, args, kwargs) -> None:
+def before_step(optimizer, args, kwargs):
+    restore_swap(optimizer)
     guard = examine(optimizer)
     if guard.pieces and optimizer.state is not guard.state and not optimizer.__dict__.get("_shardwise_inner"):
         verify_state(optimizer, guard)
         guard.state = optimizer.state
+    if guard.swap is not None:
+        optimizer_swap.swap_in(optimizer, guard.swap)
+        return _closure_outside_the_swap(optimizer, guard.swap, args, kwargs)
+    return None
+
+
+def _closure_outside_the_swap(optimizer, swap, args, kwargs):
+    """``step(closure)`` (Lightning's automatic optimisation, ``closure`` in any loop) computes the gradients
+    inside the step: the closure runs with the pieces back in the param groups (its ``zero_grad`` and
+    backward reach the pieces' gradients), and the swap is redone after it, with the fresh gradients. torch
+    lets a step pre-hook return new (args, kwargs)."""
+    # (``args`` starts with the optimizer itself: torch's wrapper hands the hooks step's own arguments)
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if closure is None:
+        return None
+
+    def run():
+        optimizer_swap.swap_out(optimizer, swap)
+        try:
+            return closure()
+        finally:
+            optimizer_swap.swap_in(optimizer, swap)
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": run}
+    return (args[0], run) + tuple(args[2:]), kwargs
 
 
 def after_step(optimizer, args, kwargs) -> None:
+    restore_swap(optimizer)
     mark_kept_copies_stale()
 
 
