@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from typing import Callable, Optional, Union
 
 import torch
@@ -139,14 +140,16 @@ def shard(
 
 def _retire_originals(groups: list[FlatGroup]) -> None:
     """Retire the original parameter objects once the shards are filled: their memory is released, and an
-    optimizer that still holds them (built before shard) is caught at its first step instead of silently
-    doing nothing."""
+    optimizer that still holds them (built before shard, as nanoGPT builds it before wrapping in DDP) takes
+    their shard parameters at its first step (optimizer_guard.py), or is refused by name if it already
+    holds state for them, instead of silently doing nothing."""
     for g in groups:
         for spec, shard_param in zip(g.plan.params, g.shard_params):
             old = spec.refs[0].module._parameters[spec.refs[0].name]
             adopt_tensor_hooks(old, shard_param)  # p.register_hook before shard() keeps working
             old.data = torch.empty(0, dtype=old.dtype, device=old.device)
             old._shardwise_retired = spec.fqn
+            old._shardwise_successor = weakref.ref(shard_param)
     optimizer_guard.install()  # retired parameters, optimizer classes, whose state (optimizer_guard.py)
 
 

@@ -8,8 +8,10 @@ causes 2 and 3). One spawn per world size runs every scenario (``run_scenarios``
   the ranks agree on refilling them: outputs equal full_shard's.
 * Buffer broadcast does not write a buffer that already holds rank 0's values: two forwards before one
   backward with a buffer saved for backward work as in plain torch.
-* Under native collectives (NCCL's, selectable on gloo) every forward, with or without grad, compares the
-  ranks' collectives before returning, and offload_optimizer steps units only after backward's compare.
+* A checkpoint of a base frozen at ``shard()`` and unfrozen after it saves what trains now.
+* Under CPU offload a reference to last step's ``p.grad`` keeps its values through the next backward.
+* ``offload_optimizer`` passes Muon's arguments and pairs its groups by parameters, and steps each unit
+  during backward as its gradient lands (agreed on the training thread first), training as without offload.
 * BatchNorm trains with each rank's own batch statistics, as under DDP (compared with torch DDP).
 * ``copy.deepcopy`` of a sharded model, ``shard()`` of a model with a sharded submodule and a
   ``summon_full_params(writeback=True)`` edit made on one rank only are refused by name.

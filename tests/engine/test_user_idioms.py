@@ -367,6 +367,24 @@ def decay_groups(select_decay: Callable[[str, torch.Tensor], bool]):
     return run
 
 
+def optimizer_built_before_wrapping(model, side):
+    """nanoGPT's order: ``configure_optimizers`` (decay groups by ``p.dim() >= 2``, from the whole parameters)
+    first, then the wrapper, then AdamW steps, with clipping on the wrapped model's parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=1e-2)
+    model = side.wrap(model, units={Block})
+    losses = []
+    for x, y in side.batches():
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(mean_over_ranks(loss))
+    return dict(losses=losses, weights=side.whole(model))
+
+
 def _file_loaded(path: str) -> dict:
     """A saved state dict, loaded in one process, under the model's own names (DDP's carry ``module.``)."""
     sd = torch.load(path, map_location="cpu", weights_only=True)
@@ -556,6 +574,7 @@ ROWS: dict[str, Row] = {
     # what a parameter is: shapes and counts, decay groups by shape
     "parameter count and shapes": Row(gpt, counts_and_shapes),
     "decay groups by p.dim() >= 2 (nanoGPT)": Row(gpt, decay_groups(lambda n, p: p.dim() >= 2)),
+    "optimizer built before wrapping (nanoGPT's order)": Row(gpt, optimizer_built_before_wrapping),
     "no decay for p.ndim <= 1 or biases (timm)": Row(gpt, decay_groups(lambda n, p: not (p.ndim <= 1 or n.endswith(".bias")))),
     # saves, loaded back in one process
     "torch.save(model.state_dict()) on rank 0": Row(gpt, save_state_dict("rank 0"), alone=True,

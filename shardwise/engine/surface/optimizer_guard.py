@@ -102,10 +102,11 @@ def is_elementwise(cls: type) -> bool:
 class _Guard:
     """What is known about one optimizer (kept in ``_GUARDS``)."""
 
-    __slots__ = ("numel", "pieces", "state", "swap")
+    __slots__ = ("numel", "pieces", "state", "swap", "retirements")
 
     def __init__(self, numel: int, pieces: list, swap: Optional[optimizer_swap.Swap]):
         self.numel = numel
+        self.retirements = _retirements  # shard() calls seen when it was made (``install``)
         self.pieces = pieces  # [(index in param order, param, FlatGroup, index in group)] of pieces
         self.state = None  # the state dict object last verified: load_state_dict replaces it
         self.swap = swap  # None: the optimizer does not step its parameters itself (a wrapper, a delegator)
@@ -115,15 +116,34 @@ def _params(optimizer) -> list:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
+def _adopt_successors(optimizer) -> None:
+    """An optimizer built before ``shard()`` (nanoGPT's order: ``configure_optimizers`` and then the DDP
+    wrapper) holds the original parameters, which shard() retired. One that has not stepped holds nothing of
+    theirs but their place in its groups: each is replaced, in place, by its shard parameter, so its groups
+    (weight decay by ``p.dim()``, learning rates) stay as the user built them, as with DDP, whose
+    parameters are the originals. One that holds state for a retired parameter (it stepped, or loaded a
+    state, before shard()) is refused: that state is whole tensors of the original, not this rank's."""
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, p in enumerate(params):
+            fqn = getattr(p, "_shardwise_retired", None)
+            if fqn is None:
+                continue
+            successor = p._shardwise_successor()
+            if successor is None or optimizer.state.get(p):
+                raise ShardwiseError(
+                    f"{type(optimizer).__name__} holds parameter {fqn!r} from before shardwise.shard()"
+                    f"{' with optimizer state for it (it stepped or loaded a state before shard())' if successor is not None else ''}; "
+                    f"build the optimizer after shard() from model.parameters(), or load its state after shard()")
+            params[i] = successor
+            optimizer.state.pop(p, None)
+
+
 def _examine(optimizer) -> _Guard:
+    _adopt_successors(optimizer)
     params = _params(optimizer)
     pieces = []
     for i, p in enumerate(params):
-        fqn = getattr(p, "_shardwise_retired", None)
-        if fqn is not None:
-            raise ShardwiseError(
-                f"{type(optimizer).__name__} holds parameter {fqn!r} from before shardwise.shard(); "
-                f"build the optimizer after shard() from model.parameters()")
         where = where_of(p)
         if where is not None and isinstance(p, Piece):  # a shard parameter
             pieces.append((i, p) + tuple(where))
@@ -242,7 +262,7 @@ def examine(optimizer) -> _Guard:
     numel = sum(len(g["params"]) for g in optimizer.param_groups)
     if guard is not None and guard.swap is not None and not guard.swap.current(optimizer):
         guard = None  # (param groups replaced: prepare again)
-    if guard is None or guard.numel != numel:
+    if guard is None or guard.numel != numel or guard.retirements != _retirements:
         if optimizer not in _GUARDS and hasattr(optimizer, "register_state_dict_post_hook"):  # public since 2.3
             optimizer.register_state_dict_pre_hook(restore_swap)
             optimizer.register_load_state_dict_pre_hook(lambda opt, state_dict: restore_swap(opt))
@@ -307,11 +327,14 @@ def after_step(optimizer, args, kwargs) -> None:
 
 
 _installed = False
+_retirements = 0  # how many times shard() has retired original parameters in this process
 
 
 def install() -> None:
-    """Register the process-wide step hooks once (``shard()`` calls this)."""
-    global _installed
+    """Register the process-wide step hooks once (``shard()`` calls this, after retiring the original
+    parameters: every guard made before is examined again, for parameters it holds that were retired)."""
+    global _installed, _retirements
+    _retirements += 1
     if _installed:
         return
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
