@@ -113,10 +113,15 @@ def engine_buffers(model, opt) -> dict:
             out["param shards"] += g.shard.untyped_storage().nbytes()
             if not getattr(g, "aliases_shard", False):
                 out["gathered"] += g.gathered.untyped_storage().nbytes()
+    try:  # since #27 a gradient is a piece reading as the whole: its memory is its local elements'
+        from shardwise.engine.surface.pieces import local_of
+    except ImportError:
+        def local_of(t):
+            return t
     seen = set()
     for p in model.parameters():
         if p.grad is not None:
-            s = p.grad.untyped_storage()
+            s = local_of(p.grad).untyped_storage()
             if s.data_ptr() not in seen:
                 seen.add(s.data_ptr())
                 out["grad shards"] += s.nbytes()

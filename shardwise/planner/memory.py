@@ -14,10 +14,10 @@ What is counted, per rank (see engine/core/flat_group.py for the buffer lifetime
     grad shards       trainable shard_numel x master dtype (shard_optim / ZeRO-1: the whole reduced
                       gradient, trainable padded_numel x reduce dtype)
     optimizer shards  AdamW: 2 x trainable shard_numel x master dtype
-    gathered          root unit (stays gathered for forward + backward) + the largest unit + the next one
-                      (prefetched); shard_grad_op / no_shard keep every unit gathered from forward to backward;
-                      shard_optim / shard_optim_grad (ZeRO-1/2) keep every unit gathered all the time, through
-                      the optimizer step too
+    gathered          root unit (gathered from forward until its head's backward is done) + the largest unit
+                      + the next one (prefetched); shard_grad_op / no_shard keep every unit gathered from
+                      forward to backward; shard_optim / shard_optim_grad (ZeRO-1/2) keep every unit gathered
+                      all the time, through the optimizer step too
     grad reduction    one unit's unsharded gradients (compute dtype) + the gradient flats alive at once
                       (reduce dtype: the one being packed and those still in flight)
     scratch           what a gloo collective allocates beside its buffer (CPU only): the all-reduce ring's
@@ -207,8 +207,8 @@ class _Buffers:
     grad_shard: int
     optim_shard: int
     gathered: int
-    root: int
     kept: int  # gathered bytes kept through the optimizer step (ZeRO-1/2)
+    last_blocks: int  # the two blocks gathered in the last blocks' backward (one in backward, one prefetched)
     block_reduce: int  # the widest block's unsharded gradients + its gradient flat (+ gloo scratch)
     pending_flats: int  # the blocks' gradient flats still in flight beside it (bytes)
     pending_count: int  # ... and how many
@@ -267,11 +267,12 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
 
     scratch = scratch_for(max(largest, root.gathered), max(widest.grad_flat, root.grad_flat))
     prof = _activations(inputs, cache, spec, model, plan, policy)
-    # The end of backward gathers nothing (the root stayed gathered since forward): its collective is the
+    # The end of backward gathers nothing (the root was gathered in forward): its collective is the
     # root's reduction or, for a root with nothing trainable (LoRA's frozen embeddings and head), the last
     # block's still in flight.
-    buffers = _Buffers(param_shard, grad_shard, optim_shard, gathered, root.gathered,
+    buffers = _Buffers(param_shard, grad_shard, optim_shard, gathered,
                        kept=gathered if strategy.keeps_params_gathered else 0,
+                       last_blocks=largest + prefetched,
                        block_reduce=reduce_bytes(widest) - pending * widest.grad_flat
                        + scratch_for(largest, widest.grad_flat),
                        pending_flats=pending * widest.grad_flat, pending_count=pending,
@@ -333,16 +334,20 @@ def _peaks(inputs: PlanInputs, b: _Buffers, activations: int, prof: ActivationPr
     exists (from the previous step) but gradients were freed by zero_grad(set_to_none=True) and come back
     only as activations go. A block's gradient-reduction buffers appear once that block's activations are
     freed, so only what exceeds them adds up; so do the flats still in flight, each of a block whose
-    activations are gone. (2) The end of backward: the root unit (embeddings, head)
-    reduces last, when activations are gone and nearly every gradient shard exists. (3) The optimizer
-    step: shards, gradients, AdamW state and the step's temporaries."""
+    activations are gone. (2) The end of backward, when activations are gone and nearly every gradient shard
+    exists: the last blocks' backward (one gathered, the next prefetched, its reduction) or the root unit's
+    reduction, which comes last; the root itself is no longer gathered by then (released once its head's
+    backward is done: [Note: releasing a unit in backward] in engine/core/unit.py), unless the strategy
+    keeps every unit gathered. (3) The optimizer step: shards, gradients, AdamW state and the step's
+    temporaries."""
     offload = inputs.cpu_offload
     device_shards = 0 if offload else b.param_shard + b.optim_shard
     device_grads = 0 if offload else b.grad_shard
     unit_saved = max(prof.unit_saved, default=0) if not inputs.activation_checkpointing else 0
     early = (device_shards + b.gathered + activations + max(0, b.block_reduce - unit_saved)
              + max(0, b.pending_flats - b.pending_count * unit_saved))
-    end = device_shards + device_grads + (b.kept or b.root) + b.root_reduce
+    last_blocks = (b.kept or b.last_blocks) + b.block_reduce + b.pending_flats
+    end = device_shards + device_grads + max(last_blocks, b.kept + b.root_reduce)
     # AdamW's temporaries: on CUDA the foreach path allocates a denominator for the whole parameter group;
     # on CPU the per-tensor path allocates one for one (the largest) shard at a time.
     step_temp = b.grad_shard if inputs.device == "cuda" else b.largest_trainable_shard

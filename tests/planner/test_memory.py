@@ -88,6 +88,17 @@ def test_gradient_reduction_counts_the_engines_gradient_flats_alive_at_once():
     assert one.grad_reduce_bytes == max(one.gathered_unit_bytes, one.root_unit_bytes)  # bf16 gradients only
 
 
+def test_end_of_backward_holds_the_last_blocks_or_the_roots_reduction_not_the_root_gathered():
+    """At the end of backward every gradient shard exists; what is gathered then is the last blocks (one in
+    backward, one prefetched) with a block's reduction, or nothing beside the root's reduction: the root was
+    released after its head's backward (engine/core/unit.py). With almost no activations that is the peak."""
+    plan = plan_memory(PlanInputs("gpt-170m", 2, batch_size=1, seq_len=1))  # fp32, cuda: no gloo scratch
+    block, root = plan.gathered_unit_bytes, plan.root_unit_bytes  # fp32: gradients and flat are as large
+    shards = plan.param_shard_bytes + plan.grad_shard_bytes + plan.optim_shard_bytes
+    assert plan.prefetched_unit_bytes == block
+    assert plan.backward_peak_bytes == shards + max(2 * block + 2 * block, 2 * root)
+
+
 # ---- fine-tuning: presets and LoRA ---------------------------------------------------------------------
 
 

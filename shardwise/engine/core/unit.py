@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from shardwise.errors import ShardwiseError
-from shardwise.engine.core.flat_group import FlatGroup
+from shardwise.engine.core.flat_group import FlatGroup, GatherState
 from shardwise.engine.base.mixed_precision import cast_floating
-from shardwise.engine.base.torch_internals import autograd_engine_running
+from shardwise.engine.base.torch_internals import autograd_engine_running, storage_held_only_by
 from shardwise.engine.base.nested import iter_tensors
 from shardwise.engine.base.plan import UnitPlan
 from shardwise.engine.core.copy_refusal import refuse_deepcopy, refuse_pickle
@@ -184,6 +184,9 @@ class Unit:
         self.owed_backwards = 0
         self.frames: list[Frame] = []
         self.backward_views: Optional[list] = None  # bound from pre-backward until post-backward
+        # The forward (runtime.forward_count) whose backward released this unit early: see [Note: releasing a
+        # unit in backward]; its backward's prefetch then skips it.
+        self.released_after_forward: Optional[int] = None
         # (params dict, name, group index, param index) for every registration of every parameter
         self._slots = [
             (ref.module._parameters, ref.name, gi, pi)
@@ -392,9 +395,10 @@ class Unit:
         m = self.runtime
         _refuse_double_backward(self.label)
         m.begin_backward()
+        self._release_unread_units()
         self.unshard(wait=False)
         prev = m.previous_in_forward(self)
-        if prev is not None:
+        if prev is not None and prev.released_after_forward != m.forward_count:
             prev.unshard(wait=False)
         self.unshard(wait=True)
         self.bind_backward_views()
@@ -405,6 +409,7 @@ class Unit:
         _refuse_double_backward(self.label)
         _refuse_written_since_forward(group, ticket.versions[self.flat_groups.index(group)], self.label)
         m.begin_backward()
+        self._release_unread_units()
         final = self.owed_backwards <= 1  # no other forward of this unit still owes a backward
         ticket.remaining -= 1
         if ticket.remaining == 0:
@@ -416,6 +421,37 @@ class Unit:
         if pending is not None:
             pending.final = final
             m.add_pending(pending)
+
+    # [Note: releasing a unit in backward] A unit's gathered parameters stay bound from its pre-backward until
+    # its last gradient is computed. For a block both ends are close; not for the root of a GPT: its head runs
+    # first in backward, its last gradient (the embeddings') comes last, and an embedding's backward reads only
+    # the indices. Whether anything can still read the gathered memory is counted, not guessed: at every
+    # backward event of the model (a pre-backward, a post-backward), a unit in its backward whose gathered
+    # storage no tensor holds but the engine's own (the buffer, its collective alias, the bound backward
+    # views, each held only by its Python object) is resharded and its modules bound to their shards, as
+    # between forward and backward. Every node still to run that reads the parameters holds a saved tensor
+    # on that storage, so a unit still needed is never freed; a recompute enters the unit, which gathers it
+    # again; a stray reference (retain_graph, a view kept by user code) only keeps it gathered. Its remaining
+    # gradients still reach UnshardParams and are reduced as usual. Code that reads a parameter by module
+    # attribute in backward, outside an entry, sees its shard, as for any unit between forward and backward.
+    # The references come from the graph and the program, so the ranks release alike, and so gather alike at a
+    # later entry. Cost: two reference counts per group of each unit in its backward, per event.
+    def _release_unread_units(self) -> None:
+        for u in self.runtime.units:
+            u._release_if_unread()
+
+    def _release_if_unread(self) -> None:
+        if self.frames or self.backward_views is None:
+            return  # not in its backward, or an entry (a recompute) binds it now
+        for g, views in zip(self.flat_groups, self.backward_views):
+            if g.aliases_shard or g.keep_gathered or g.state is not GatherState.GATHERED:
+                return  # nothing to free (no_shard), kept by the strategy (ZeRO-1/2), or a gather in flight
+            if not storage_held_only_by(g.gathered, list(views)):
+                return
+        self.backward_views = None
+        self.released_after_forward = self.runtime.forward_count
+        self.rebind()  # its shards: nothing may keep a view of the memory freed next
+        self.reshard()
 
     def backward_done(self) -> None:
         """One forward's backward is complete; free the parameters once no other forward still owes one."""
