@@ -138,11 +138,12 @@ def count_gathers(counts: dict):
     collectives = engine_collectives()
     original = collectives.all_gather_into
 
-    def counted(output, shard, *a, header=None, **kw):
+    def counted(output, shard, *a, **kw):
+        header = kw.get("header")  # (checkouts before issue #24 put an in-band header in the gather)
         n = output.numel() - (header.numel() if header is not None else 0)
         key = str(output.dtype).replace("torch.", "")
         counts[key] = counts.get(key, 0) + n * output.element_size()
-        return original(output, shard, *a, header=header, **kw)
+        return original(output, shard, *a, **kw)
 
     collectives.all_gather_into = counted
 
