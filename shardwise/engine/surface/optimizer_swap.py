@@ -60,9 +60,7 @@ def swap_in(optimizer, swap: Swap) -> None:
     state = optimizer.state
     with local_only():
         for p, local in swap.pairs:
-            entry = state.pop(p, None)
-            if entry is not None:
-                state[local] = entry
+            _move_state(state, p, local)
             grad = p.grad
             local.grad = grad._local if isinstance(grad, Piece) else None
     _SWAPPED.add(optimizer)
@@ -76,13 +74,18 @@ def swap_out(optimizer, swap: Swap) -> None:
     state = optimizer.state
     with local_only():
         for p, local in swap.pairs:
-            entry = state.pop(local, None)
-            if entry is not None:
-                state[p] = entry
+            _move_state(state, local, p)
             if local.grad is None and p.grad is not None:
                 p.grad = None
             local.grad = None
     _SWAPPED.discard(optimizer)
+
+
+def _move_state(state: dict, source, target) -> None:
+    """Re-key ``source``'s optimizer state (if any) to ``target``."""
+    entry = state.pop(source, None)
+    if entry is not None:
+        state[target] = entry
 
 
 def restore(optimizer, swap: Swap) -> None:
