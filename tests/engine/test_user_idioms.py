@@ -41,6 +41,9 @@ VOCAB = tiny_gpt_config().vocab_size
 STEPS = 3
 GLOBAL_BATCH = 12
 RTOL = 1e-5  # DDP and shardwise sum gradients in different orders
+# The attention key bias: its gradient is zero in theory and summation-order noise in practice, which AdamW
+# turns into full-size steps in both runs (test_parity.py's docstring; measured here up to 8e-5 at world size 3).
+KEY_BIAS, KEY_BIAS_RTOL = "attn.c_attn.bias", 1e-3
 
 
 # ---- the two sides ---------------------------------------------------------------------------------------
@@ -648,7 +651,7 @@ def _compare(ddp, sharded, where: str) -> list[str]:
         if ddp.shape != sharded.shape:
             return [f"{where}: shape {tuple(sharded.shape)}, DDP {tuple(ddp.shape)}"]
         err = rel_err(sharded, ddp)
-        return [f"{where}: off by {err:.2e}"] if err > RTOL else []
+        return [f"{where}: off by {err:.2e}"] if err > (KEY_BIAS_RTOL if where.endswith(KEY_BIAS) else RTOL) else []
     if isinstance(ddp, float):
         err = scalar_rel_err(sharded, ddp)
         return [f"{where}: {sharded} vs DDP {ddp}"] if err > RTOL or math.isnan(sharded) else []
