@@ -13,6 +13,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.engine.core.flat_group import FlatGroup
 from shardwise.engine.base.plan import ParamSpec
 from shardwise.engine.state_dict import persistent_buffers as engine_persistent_buffers
+from shardwise.engine.surface.optimizer_guard import adopt_successors
 
 
 def unique_params(rt) -> Iterator[tuple[ParamSpec, FlatGroup, int]]:
@@ -51,6 +52,7 @@ def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
 
 def optimizer_param_names(rt, optimizer: torch.optim.Optimizer) -> dict[int, str]:
     """id(shard parameter) -> fqn, for every parameter the optimizer holds (all must be the model's)."""
+    adopt_successors(optimizer)  # built before shard() and not stepped yet: it holds the shard parameters now
     by_id = {id(group.shard_params[i]): spec.fqn for spec, group, i in unique_params(rt)}
     out = {}
     for gi, group in enumerate(optimizer.param_groups):

@@ -91,3 +91,28 @@ def test_same_world_size_resume_is_bitwise(tmp_path):
     results = run_distributed(_resume_bitwise, 2, str(tmp_path))
     assert [r[0] for r in results] == [0, 1]  # each rank got its own extra back
     assert results[0][1], "parameters after resume differ from the uninterrupted run"
+
+
+def _optimizer_built_before_shard(rank, world_size, root):
+    """nanoGPT's order (optimizer, then the wrapper), and a checkpoint saved before the first step: the
+    optimizer holds the shard parameters once checkpointed, and trains as one built after shard()."""
+    import shardwise
+    from shardwise.checkpoint import save_checkpoint
+    from shardwise.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT.from_preset("gpt-tiny", tie_weights=True)  # as build() makes it
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1)
+    shardwise.shard(model)
+    save_checkpoint(f"{root}/before", model, opt, step=0)
+    ref_model, ref_opt = build()
+    for step in (1, 2):
+        train_step(model, opt, step, rank, world_size)
+        train_step(ref_model, ref_opt, step, rank, world_size)
+    ours, ref = full_params(model), full_params(ref_model)
+    return {k: (ours[k] - ref[k]).abs().max().item() for k in ref if not torch.equal(ours[k], ref[k])}
+
+
+def test_an_optimizer_built_before_shard_checkpoints_and_trains_as_one_built_after(tmp_path):
+    for rank, differ in enumerate(run_distributed(_optimizer_built_before_shard, 2, str(tmp_path))):
+        assert not differ, f"rank {rank}: parameters differ from the optimizer built after shard(): {differ}"

@@ -7,9 +7,9 @@ reduction records, per parameter, whether this rank packed a gradient for it (``
 ``None`` for an output that got none; ``no_sync`` micro-batches fold theirs in). At the end of a synced
 backward the ranks OR these marks on the control group (base/device.py): inside the agreement's own exchange
 up to 992 parameters, else one small all-gather of host words agreed before it is issued like every control
-collective (checks/fingerprint.py). The sink then drops the gradients it started for parameters no rank used (core/seams.py, ``end_backward``);
-a parameter used on some rank only keeps the averaged gradient, zeros from the others, as DDP's
-``find_unused_parameters`` gives.
+collective (checks/fingerprint.py). The sink then drops the gradients it started for parameters no rank used
+(core/seams.py, ``end_backward``); a parameter used on some rank only keeps the averaged gradient, zeros from
+the others, as DDP's ``find_unused_parameters`` gives.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def _params(optimizer) -> list:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def _adopt_successors(optimizer) -> None:
+def adopt_successors(optimizer) -> None:
     """An optimizer built before ``shard()`` (nanoGPT's order: ``configure_optimizers`` and then the DDP
     wrapper) holds the original parameters, which shard() retired. One that has not stepped holds nothing of
     theirs but their place in its groups: each is replaced, in place, by its shard parameter, so its groups
@@ -140,7 +140,7 @@ def _adopt_successors(optimizer) -> None:
 
 
 def _examine(optimizer) -> _Guard:
-    _adopt_successors(optimizer)
+    adopt_successors(optimizer)
     params = _params(optimizer)
     pieces = []
     for i, p in enumerate(params):
