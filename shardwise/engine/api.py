@@ -54,7 +54,9 @@ def shard(
         units: what becomes a unit (one all-gather / reduce-scatter each): a set of module classes, a
             callable ``(module) -> bool``, ``"auto"`` (Hugging Face ``_no_split_modules``, else the children
             of the largest ``nn.ModuleList``; a model with neither, a CNN or an MLP, becomes one unit, with a
-            warning), or ``None`` (one unit: the whole model). Parameters outside every unit form the root unit.
+            warning; and a Hugging Face model's input embedding and output head, each a unit of its own
+            unless they are tied: ``plan.edge_unit_modules``), or ``None`` (one unit: the whole model).
+            Parameters outside every unit form the root unit.
         strategy: full_shard (ZeRO-3), shard_grad_op (FSDP's ZeRO-2: parameters gathered once per step),
             shard_optim_grad (DeepSpeed's ZeRO-2: full parameters kept across steps, gradients and optimizer
             state sharded), shard_optim (ZeRO-1: only optimizer state and masters sharded), no_shard (DDP),
@@ -72,8 +74,8 @@ def shard(
         device: compute device; default: the parameters' accelerator, else ``cuda:<current>`` when the
             process group moves CUDA tensors over NCCL, else CPU (``shardwise.engine.base.device.compute_device``).
         prefetch: start the next unit's all-gather before the current one computes.
-        activation_checkpointing: recompute each (non-root) unit's activations in backward instead of
-            keeping them.
+        activation_checkpointing: recompute each block unit's activations in backward instead of keeping
+            them (not the root's, nor those of the embedding and head units ``"auto"`` makes).
         broadcast_buffers: before every forward, give every rank rank 0's buffers (BatchNorm running
             statistics, ...), as DDP does by default, so that ranks evaluate alike and checkpoints hold what
             every rank used. ``False`` keeps each rank's own buffers.
@@ -170,7 +172,7 @@ def _install_hooks(model: nn.Module, runtime: ModelRuntime, activation_checkpoin
         unit.bind_sharded()
         up.module.register_forward_pre_hook(_eager(unit.pre_forward), with_kwargs=True, prepend=True)
         up.module.register_forward_hook(_eager(unit.post_forward), with_kwargs=True, always_call=True)
-        if activation_checkpointing and not up.is_root:
+        if activation_checkpointing and up.checkpointed:
             checkpoint_unit(unit)
     # Modules that hold a unit's parameters enter the unit when called on their own (see unit.py,
     # [Note: entries]): an encoder called by generate(), a head called directly, a recompute.

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from shardwise.hf.presets import ARCH_PRESETS
 from shardwise.errors import ShardwiseError
 from shardwise.engine.hf_init import hf_param_init_fn
-from shardwise.engine.base.plan import no_split_classes
 from shardwise.models.gpt import GPT, PRESETS, Block, GPTConfig
 from shardwise.hf.pretrained import load_pretrained, skip_weight_init
 from shardwise.checkpoint.files import RUN_MODEL_FILES, copy_model_files
@@ -83,19 +82,15 @@ class ModelSpec:
 
         return base_record_of(self.weights_dir, quantization, recorded)
 
-    def default_block_classes(self, model: nn.Module) -> set[type]:
-        """The transformer block class(es): GPT's Block, or the HF model's ``_no_split_modules``."""
-        if self.kind == "gpt":
-            return {Block}
-        return no_split_classes(model)
-
     def units(self, model: nn.Module, auto_wrap: str, cls_names: list[str]):
-        """The ``units=`` argument for ``shardwise.shard`` from the Accelerate-style wrap settings."""
+        """The ``units=`` argument for ``shardwise.shard`` from the Accelerate-style wrap settings: the classes
+        named, else GPT's Block, else ``"auto"`` (a Hugging Face model's ``_no_split_modules`` blocks, and its
+        untied embedding and head each a unit: ``engine.base.plan``, the one place that decides)."""
         if auto_wrap == "no_wrap":
             return None
         if cls_names:
             return classes_named(model, cls_names, "--transformer-layer-cls-to-wrap")
-        return self.default_block_classes(model) or "auto"
+        return {Block} if self.kind == "gpt" else "auto"
 
     def num_params(self, model: nn.Module) -> int:
         seen, total = set(), 0

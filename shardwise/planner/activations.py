@@ -78,8 +78,8 @@ def _meta_friendly_forward():
 class ActivationProfile:
     saved_bytes: int  # everything autograd keeps from one forward
     largest_saved: int  # the largest single saved storage (sizes the backward working set)
-    unit_saved: list[int]  # per non-root unit: bytes saved inside it
-    unit_input: list[int]  # per non-root unit: bytes of its tensor inputs (what checkpointing keeps)
+    unit_saved: list[int]  # per checkpointed unit (the blocks): bytes saved inside it
+    unit_input: list[int]  # per checkpointed unit: bytes of its tensor inputs (what checkpointing keeps)
     method: str = "measured: forward on meta tensors"
 
     def peak(self, checkpointing: bool, transient: int = 0, recomputed: Sequence[int] = ()) -> int:

@@ -14,10 +14,12 @@ What is counted, per rank (see engine/core/flat_group.py for the buffer lifetime
     grad shards       trainable shard_numel x master dtype (shard_optim / ZeRO-1: the whole reduced
                       gradient, trainable padded_numel x reduce dtype)
     optimizer shards  AdamW: 2 x trainable shard_numel x master dtype
-    gathered          root unit (gathered from forward until its head's backward is done) + the largest unit
-                      + the next one (prefetched); shard_grad_op / no_shard keep every unit gathered from
-                      forward to backward; shard_optim / shard_optim_grad (ZeRO-1/2) keep every unit gathered
-                      all the time, through the optimizer step too
+    gathered          root unit (gathered from forward until its backward is done) + the largest two units
+                      next to each other in module order, which is the order they run in (one computing, the
+                      next prefetched; a Hugging Face model's untied embedding and head are such units, so
+                      the root holds only its final norm); shard_grad_op / no_shard keep every unit gathered
+                      from forward to backward; shard_optim / shard_optim_grad (ZeRO-1/2) keep every unit
+                      gathered all the time, through the optimizer step too
     grad reduction    one unit's unsharded gradients (compute dtype) + the gradient flats alive at once
                       (reduce dtype: the one being packed and those still in flight)
     scratch           what a gloo collective allocates beside its buffer (CPU only): the all-reduce ring's
@@ -101,8 +103,8 @@ class MemoryPlan:
     param_shard_bytes: int
     grad_shard_bytes: int
     optim_shard_bytes: int
-    gathered_unit_bytes: int  # the largest non-root unit, gathered in compute dtype
-    prefetched_unit_bytes: int  # the unit gathered ahead of it
+    gathered_unit_bytes: int  # the larger of the two units gathered together at the peak, in compute dtype
+    prefetched_unit_bytes: int  # the other one (the unit running and the next, prefetched)
     root_unit_bytes: int
     gathered_bytes: int  # everything gathered at the peak (units above, or all of them without resharding)
     grad_reduce_bytes: int
@@ -216,6 +218,16 @@ class _Buffers:
     largest_trainable_shard: int
 
 
+def _gathered_together(gathered: list[int]) -> tuple[int, int]:
+    """The two units gathered at once at the peak, larger first: the engine gathers a unit and prefetches the
+    next in forward order, taken here as module order (the plan's: embedding, blocks, head), and in backward
+    the previous one, the same pairs. (0, 0) without units; (the one, 0) with one."""
+    if len(gathered) < 2:
+        return (gathered[0] if gathered else 0), 0
+    a, b = max(zip(gathered, gathered[1:]), key=sum)
+    return max(a, b), min(a, b)
+
+
 def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryPlan:
     """The per-rank memory plan for ``inputs`` (see the module docstring for what is counted)."""
     cache = _cache if _cache is not None else {}
@@ -236,9 +248,7 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
 
     per_unit = _unit_bytes(plan, policy, shard_size, inputs.cpu_offload)
     root = next(u for u in per_unit if u.is_root)
-    blocks = sorted((u for u in per_unit if not u.is_root), key=lambda u: u.gathered, reverse=True)
-    largest = blocks[0].gathered if blocks else 0
-    prefetched = blocks[1].gathered if len(blocks) > 1 else 0
+    largest, prefetched = _gathered_together([u.gathered for u in per_unit if not u.is_root])
     if strategy.reshard_after_forward:
         gathered = root.gathered + largest + prefetched
     else:
@@ -320,7 +330,7 @@ def _activations(inputs: PlanInputs, cache: dict, spec, model, plan: ShardingPla
     key = ("act", _model_key(inputs), inputs.mixed_precision, inputs.batch_size, inputs.seq_len,
            inputs.auto_wrap, inputs.transformer_layer_cls_to_wrap)
     if key not in cache:
-        unit_modules = [u.module for u in plan.units if not u.is_root]
+        unit_modules = [u.module for u in plan.units if u.checkpointed]
         compute = policy.compute_dtype(MASTER_DTYPES[inputs.dtype])
         cache[key] = measure_activations(spec, model, unit_modules, inputs.batch_size, inputs.seq_len,
                                          policy.param_dtype, compute.itemsize)

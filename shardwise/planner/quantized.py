@@ -27,7 +27,7 @@ def dequant_chunk_bytes(device_type: str) -> int:
 class QuantFigures:
     shard_bytes: int  # this rank's share of the 4-bit bytes, packed data and scales
     matrix_bytes: int  # the largest matrix dequantised in compute dtype + the dequantisation's temporaries
-    recomputed_bytes: list[int]  # per non-root unit (plan order): its 4-bit weights dequantised in compute
+    recomputed_bytes: list[int]  # per checkpointed unit (plan order): its 4-bit weights dequantised in compute
     # dtype + those temporaries, what its recompute keeps for its backward (every expert, as if all were routed)
     uncounted: int  # how many more weights the model has than its parameters' element count says (bytes)
 
@@ -48,7 +48,7 @@ def quantised_figures(model: nn.Module, plan: ShardingPlan, compute_itemsize: in
                     - sum(p.numel() for n, p in m.named_parameters() if n != "bias") for m in quantised)
     temporaries = dequant_chunk_bytes(device_type) if largest else 0
     recomputed = []
-    for unit in plan.units[:-1]:
+    for unit in (u for u in plan.units if u.checkpointed):
         owned = {id(r.module): r.module for p in unit.params() for r in p.refs
                  if r.name == "weight" and isinstance(r.module, QUANT_MODULE_TYPES)}
         weights = sum(m.layout.numel * getattr(m, "num_experts", 1) for m in owned.values())

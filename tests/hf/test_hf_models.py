@@ -1,6 +1,7 @@
 """Hugging Face ``transformers`` models built from tiny configs (no download), sharded with ``units="auto"``.
 
-``units="auto"`` reads ``_no_split_modules`` (LlamaDecoderLayer, GPT2Block). The models return
+``units="auto"`` reads ``_no_split_modules`` (LlamaDecoderLayer, GPT2Block) and makes Llama's untied embedding
+and head units of their own. The models return
 ``ModelOutput`` (a dict subclass) holding non-tensor values (a KV cache), which the hooks must pass through
 untouched. Parity as in ``test_parity``: fp32 SGD+momentum, losses and every parameter to 1e-6 relative
 against a single-process reference on the global batch, at world size 2. GPT-2 ties its head to the token
@@ -55,7 +56,6 @@ def _scenario(name):
         metrics, model, _ = parity_check(_build(name), _hf_step, make_batches(STEPS, VOCAB), rank, ws,
                                          shard_kwargs=dict(units="auto"))
         return dict(metrics=metrics, units=[u.label for u in runtime_of(model).units],
-                    unit_classes=sorted({type(u.plan.module).__name__ for u in runtime_of(model).units[:-1]}),
                     output_types={kind: sorted({t for s, t in _OUTPUT_TYPES if s == (kind == "sharded")})
                                   for kind in ("sharded", "reference")})
 
@@ -71,12 +71,15 @@ def report() -> dict:
     return run_distributed(_hf_worker, WORLD_SIZE)[0]
 
 
-@pytest.mark.parametrize("name,block", [("llama", "LlamaDecoderLayer"), ("gpt2", "GPT2Block")])
-def test_units_auto_shards_hugging_face_decoder_layers(name, block):
-    """units='auto' makes each decoder layer (from _no_split_modules) a unit, plus the root."""
+@pytest.mark.parametrize("name,units", [
+    ("llama", ["model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head", "<root>"]),
+    ("gpt2", ["transformer.h.0", "transformer.h.1", "<root>"]),
+])
+def test_units_auto_shards_hugging_face_decoder_layers(name, units):
+    """units='auto' makes each decoder layer (from _no_split_modules) a unit, Llama's untied embedding and
+    head a unit each, and leaves GPT-2's tied ones (wte is lm_head) in the root."""
     r = scenario(report(), name)
-    assert r["unit_classes"] == [block]
-    assert len(r["units"]) == 3 and r["units"][-1] == "<root>"
+    assert r["units"] == units
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -49,7 +49,7 @@ def test_70b_on_512_ranks_from_our_own_plan(tmp_path):
     assert 69e9 < plan.num_params < 72e9
     assert plan.param_bytes == pytest.approx(141e9, rel=0.02)  # ~140 GB of bf16 parameters
     assert plan.param_shard_bytes == pytest.approx(275.6e6, rel=0.02)  # ~275 MB of them per rank
-    assert plan.num_units == 81  # 80 decoder layers + the root
+    assert plan.num_units == 83  # 80 decoder layers, the embedding, the head, the root
     assert plan.activation_bytes > 0
 
 
@@ -97,6 +97,29 @@ def test_end_of_backward_holds_the_last_blocks_or_the_roots_reduction_not_the_ro
     shards = plan.param_shard_bytes + plan.grad_shard_bytes + plan.optim_shard_bytes
     assert plan.prefetched_unit_bytes == block
     assert plan.backward_peak_bytes == shards + max(2 * block + 2 * block, 2 * root)
+
+
+def test_an_untied_embedding_and_head_are_gathered_beside_a_block_never_together(tmp_path):
+    """units="auto" makes a Hugging Face model's untied embedding and head units of their own (engine/base/
+    plan.py): the engine gathers each beside the block next to it in forward order (the head prefetched by
+    the last block, the first block by the embedding), never the two together, and the root keeps only the
+    final norm. The plan counts the pair the engine holds, not the two largest units."""
+    pytest.importorskip("transformers")
+    from shardwise.engine.base.plan import build_plan
+    from shardwise.planner.memory import build_meta_model
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(LLAMA_70B, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=32000)))
+    inputs = PlanInputs(str(cfg), 2, dtype="bf16", mixed_precision="bf16", batch_size=1, seq_len=8)
+    plan = plan_memory(inputs)
+    _, model, units = build_meta_model(inputs)
+    bytes_of = {u.label: sum(g.padded_numel for g in u.groups) * 2 for u in build_plan(model, units, 2).units}
+    head, block = bytes_of["lm_head"], bytes_of["model.layers.3"]
+    assert bytes_of["model.embed_tokens"] == head > 2 * block  # the two largest units by far
+    assert (plan.gathered_unit_bytes, plan.prefetched_unit_bytes) == (head, block)
+    assert plan.root_unit_bytes == bytes_of["<root>"] == 256 * 2  # model.norm
+    assert plan.gathered_bytes == plan.root_unit_bytes + head + block
 
 
 # ---- fine-tuning: presets and LoRA ---------------------------------------------------------------------

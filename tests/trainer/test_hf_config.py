@@ -1,5 +1,6 @@
 """--model PATH/config.json: Hugging Face causal LMs (Llama, GPT-2) from a config alone, random init, sharded
-with their own block class as the unit; big ones built on meta and initialised shard by shard."""
+with units="auto" (their own block class, and an untied embedding and head, as units); big ones built on meta
+and initialised shard by shard."""
 
 import json
 import math
@@ -11,7 +12,9 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from harness import run_distributed  # noqa: E402
+from shardwise.engine.base.plan import build_plan  # noqa: E402
 from shardwise.hf.model_spec import ModelError, resolve_model  # noqa: E402
+from shardwise.models.gpt import Block  # noqa: E402
 
 LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=320, max_position_embeddings=128, rms_norm_eps=1e-5)
@@ -29,10 +32,16 @@ def test_resolve_llama_and_gpt2(tmp_path):
     assert llama.kind == "hf" and llama.vocab_size == 320 and llama.n_layer == 2 and llama.max_seq_len == 128
     model = llama.build("meta")
     assert all(p.is_meta for p in model.parameters())
-    assert {c.__name__ for c in llama.units(model, "transformer_based_wrap", [])} == {"LlamaDecoderLayer"}
+    # the default is units="auto": the decoder layers, and Llama's untied embedding and head each a unit
+    assert llama.units(model, "transformer_based_wrap", []) == "auto"
+    assert [type(u.module).__name__ for u in build_plan(model, "auto", 2).units] == [
+        "Embedding", "LlamaDecoderLayer", "LlamaDecoderLayer", "Linear", type(model).__name__]
+    assert {c.__name__ for c in llama.units(model, "transformer_based_wrap", ["LlamaDecoderLayer"])} == {
+        "LlamaDecoderLayer"}
     assert llama.units(model, "no_wrap", []) is None
     gpt2 = resolve_model(write(tmp_path, "gpt2.json", GPT2))
-    assert {c.__name__ for c in gpt2.units(gpt2.build("meta"), "transformer_based_wrap", [])} == {"GPT2Block"}
+    assert gpt2.units(gpt2.build("meta"), "transformer_based_wrap", []) == "auto"
+    assert resolve_model("gpt-tiny").units(None, "transformer_based_wrap", []) == {Block}
     with pytest.raises(ModelError, match="NotALayer not in"):
         gpt2.units(gpt2.build("meta"), "transformer_based_wrap", ["NotALayer"])
 

@@ -16,6 +16,7 @@ or traffic is ever spent on a frozen parameter, and no buffer mixes dtypes.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, Iterable, Iterator, Optional, Union
@@ -26,6 +27,8 @@ import torch.nn as nn
 from shardwise.errors import ShardwiseError
 
 UnitsSpec = Union[str, Callable[[nn.Module], bool], Iterable[type]]
+
+EMBEDDING, HEAD = "embedding", "head"  # UnitPlan.edge
 
 
 @dataclass(eq=False)
@@ -96,10 +99,26 @@ class UnitPlan:
     fqn: str  # "" for the root unit
     module: nn.Module
     groups: list[FlatGroupPlan] = field(default_factory=list)
+    # EMBEDDING / HEAD: the model's input embedding or output head, made a unit of its own by units="auto"
+    # (``edge_unit_modules``); None: a block, or the root.
+    edge: Optional[str] = None
 
     @property
     def is_root(self) -> bool:
         return self.fqn == ""
+
+    @property
+    def checkpointed(self) -> bool:
+        """Whether ``activation_checkpointing`` recomputes it: the blocks, as torchtitan checkpoints its
+        layers; not the root, nor the embedding (a lookup) or the head (its matmul recomputed for nothing)."""
+        return not self.is_root and self.edge is None
+
+    @property
+    def kept_after_forward(self) -> bool:
+        """Whether it stays gathered from its forward into its backward under full_shard: the root, and the
+        head, whose backward is the first to run (torchtitan: ``reshard_after_forward=False`` for the
+        output; resharding would only gather it again at once)."""
+        return self.is_root or self.edge == HEAD
 
     @property
     def label(self) -> str:
@@ -131,12 +150,20 @@ class ShardingPlan:
 def resolve_unit_modules(model: nn.Module, units: Optional[UnitsSpec]) -> list[tuple[str, nn.Module]]:
     """The (fqn, module) pairs that become units, in module order (none: the root is the one unit). The root
     is never among them."""
+    return [(fqn, m) for fqn, m, _ in _unit_modules(model, units)]
+
+
+def _unit_modules(model: nn.Module, units: Optional[UnitsSpec]) -> list[tuple[str, nn.Module, Optional[str]]]:
+    """``resolve_unit_modules`` with each unit's ``UnitPlan.edge``."""
     if units is None:
         return []
+    edges: dict[int, str] = {}
     if isinstance(units, str):
         if units != "auto":
             raise ShardwiseError(f"units={units!r}: give a set of module classes, a callable, or 'auto'")
-        predicate = _auto_unit_predicate(model)
+        blocks = _auto_unit_predicate(model)
+        edges = edge_unit_modules(model, blocks)
+        predicate = lambda m: blocks(m) or id(m) in edges  # noqa: E731
     elif callable(units) and not isinstance(units, type):
         predicate = units
     else:
@@ -149,17 +176,17 @@ def resolve_unit_modules(model: nn.Module, units: Optional[UnitsSpec]) -> list[t
         if missing:
             raise ShardwiseError(
                 f"unit class(es) {', '.join(missing)} do not occur in {type(model).__name__}; "
-                f"module classes present: {', '.join(sorted({c.__name__ for c in present}))}"
+                f"module classes present: {', '.join(sorted(c.__name__ for c in present))}"
             )
         predicate = lambda m: type(m) in classes  # noqa: E731
     # (units="auto" on a model without repeated blocks, a CNN or an MLP, finds none: one unit, as units=None;
     # shard() says so.)
-    return [(n, m) for n, m in model.named_modules() if m is not model and predicate(m)]
+    return [(n, m, edges.get(id(m))) for n, m in model.named_modules() if m is not model and predicate(m)]
 
 
 def no_split_classes(model: nn.Module) -> set[type]:
     """The block classes a Hugging Face model names in ``_no_split_modules`` (empty for other models): the
-    one reading of that attribute, for ``units="auto"`` and the trainer's default units."""
+    one reading of that attribute, for ``units="auto"`` (which the trainer's default units are)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     return {type(m) for m in model.modules() if type(m).__name__ in names} if names else set()
 
@@ -182,6 +209,42 @@ def _auto_unit_predicate(model: nn.Module) -> Callable[[nn.Module], bool]:
     return lambda m: id(m) in children
 
 
+def edge_unit_modules(model: nn.Module, in_block: Callable[[nn.Module], bool]) -> dict[int, str]:
+    """id(module) -> EMBEDDING or HEAD: a Hugging Face model's input embedding and output head
+    (``get_input_embeddings``, ``get_output_embeddings``), each a unit of its own under units="auto", as
+    torchtitan shards ``tok_embeddings`` and ``output`` apart from the layers. Inside the root they would stay
+    gathered from the model's first entry to the head's backward; as units the embedding is resharded right
+    after its lookup and the head gathered from its matmul to its backward. (torchtitan groups the final norm
+    with the output; here a unit is one module, and the norm, a vector, stays in the root.)
+
+    Only a module registered in one place, outside every block (``in_block``), whose parameters nothing else
+    holds: tied embeddings (GPT-2's ``wte`` is its ``lm_head``) stay in the root, one unit used at both ends
+    of the forward, as before."""
+    found = {}
+    for kind, getter in ((EMBEDDING, "get_input_embeddings"), (HEAD, "get_output_embeddings")):
+        get = getattr(model, getter, None)
+        try:
+            module = get() if callable(get) else None
+        except (NotImplementedError, AttributeError):  # transformers' base class, for models without one
+            module = None
+        if isinstance(module, nn.Module) and module is not model:
+            found[kind] = module
+    if not found or (len(found) == 2 and found[EMBEDDING] is found[HEAD]):
+        return {}
+    places = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    holders = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    names = {id(m): n for n, m in model.named_modules()}
+    blocks = [f"{n}." for n, m in model.named_modules() if m is not model and in_block(m)]
+    out = {}
+    for kind, module in found.items():
+        own = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
+        alone = own and all(holders[k] == n for k, n in own.items())
+        inside = any(names.get(id(module), "").startswith(b) for b in blocks)
+        if alone and places[id(module)] == 1 and not inside and not in_block(module):
+            out[id(module)] = kind
+    return out
+
+
 def build_plan(model: nn.Module, units: Optional[UnitsSpec], shard_size: int) -> ShardingPlan:
     """Assign every parameter to a unit and lay the units' flat buffers out for ``shard_size`` ranks.
 
@@ -190,8 +253,8 @@ def build_plan(model: nn.Module, units: Optional[UnitsSpec], shard_size: int) ->
     """
     if shard_size < 1:
         raise ShardwiseError(f"shard_size must be >= 1, got {shard_size}")
-    unit_pairs = resolve_unit_modules(model, units)
-    unit_ids = {id(m): fqn for fqn, m in unit_pairs}
+    unit_pairs = _unit_modules(model, units)
+    unit_ids = {id(m): fqn for fqn, m, _ in unit_pairs}
 
     specs: dict[int, ParamSpec] = {}
     chains: dict[int, tuple[int, ...]] = {}  # param id -> common prefix of the unit chains of its uses
@@ -224,13 +287,13 @@ def build_plan(model: nn.Module, units: Optional[UnitsSpec], shard_size: int) ->
 
     visit(model, "", ())
 
-    by_unit: dict[int, list[ParamSpec]] = {id(m): [] for _, m in unit_pairs}
+    by_unit: dict[int, list[ParamSpec]] = {id(m): [] for _, m, _ in unit_pairs}
     by_unit[id(model)] = []
     for pid, spec in specs.items():
         chain = chains[pid]
         by_unit[chain[-1] if chain else id(model)].append(spec)
 
-    plans = [UnitPlan(fqn, m) for fqn, m in unit_pairs] + [UnitPlan("", model)]
+    plans = [UnitPlan(fqn, m, edge=edge) for fqn, m, edge in unit_pairs] + [UnitPlan("", model)]
     for up in plans:
         keys: dict[tuple[torch.dtype, bool], list[ParamSpec]] = {}
         for spec in by_unit[id(up.module)]:

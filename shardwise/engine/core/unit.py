@@ -180,13 +180,16 @@ class Unit:
         self.plan = plan
         self.flat_groups = groups  # one per (dtype, requires_grad) of the unit's parameters
         self.runtime = runtime
-        self.reshard_after_forward = runtime.strategy.reshard_after_forward and not plan.is_root
+        self.reshard_after_forward = runtime.strategy.reshard_after_forward and not plan.kept_after_forward
         self.owed_backwards = 0
         self.frames: list[Frame] = []
         self.backward_views: Optional[list] = None  # bound from pre-backward until post-backward
         # The forward (runtime.forward_count) whose backward released this unit early: see [Note: releasing a
         # unit in backward]; its backward's prefetch then skips it.
         self.released_after_forward: Optional[int] = None
+        # The forward whose outputs carry this unit's pre-backward hook: only then is it prefetched in backward
+        # (a frozen embedding's output needs no gradient: its backward never comes, a prefetch would hold it).
+        self.hooked_in_forward: Optional[int] = None
         # (params dict, name, group index, param index) for every registration of every parameter
         self._slots = [
             (ref.module._parameters, ref.name, gi, pi)
@@ -362,6 +365,8 @@ class Unit:
             # Outputs that need a gradient: the unit's backward will run (a frozen unit too, when gradients
             # pass through it or through units inside it, e.g. a frozen root around trainable blocks).
             outputs_hooked = self._hook_outputs(output)
+            if outputs_hooked:
+                self.hooked_in_forward = m.forward_count
         if reshard_after_exit(frame.kind, failed, grad_enabled, outputs_hooked, self.owed_backwards,
                               self.params_bound(), self.reshard_after_forward):
             self.reshard()
@@ -398,7 +403,8 @@ class Unit:
         self._release_unread_units()
         self.unshard(wait=False)
         prev = m.previous_in_forward(self)
-        if prev is not None and prev.released_after_forward != m.forward_count:
+        if prev is not None and prev.released_after_forward != m.forward_count \
+                and prev.hooked_in_forward == m.forward_count:
             prev.unshard(wait=False)
         self.unshard(wait=True)
         self.bind_backward_views()
