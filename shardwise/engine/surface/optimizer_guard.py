@@ -16,17 +16,19 @@ changes, or its state is replaced by ``load_state_dict``), so a step costs a dic
   (orthogonalises a matrix), SparseAdam and any unknown class are refused by name, unless the user
   declares the class with ``shardwise.allow_optimizer`` (an explicit opt-in: "this class updates each
   element from that element alone", or "I accept the per-piece result").
-- **whose state it holds**: optimizer state is per piece (plain tensors of this rank's elements).
-  ``optimizer.state_dict()`` stamps every piece's
-  entry *in the dict it returns* (``optimizer.state`` itself is left alone) with the piece it belongs to
-  (``STAMP_KEY``: a checksum of the parameter's name, its element range on this rank and its size);
-  ``load_state_dict`` carries the stamps into ``optimizer.state``. At the first step after the state was
-  replaced, every entry is compared with the piece it now sits on (and its stamp removed), and the ranks
-  agree on the verdict (one all-reduce), so a state saved by rank 0 alone and loaded everywhere (the DDP
-  habit), or one saved at another world size or plan, raises ``ShardwiseError`` on every rank instead of
-  stepping with the wrong moments. A state without stamps (shardwise's own checkpoints reshard; a
-  ``state_dict()`` taken before the optimizer's first step) is accepted when its tensors have the pieces'
-  shapes.
+- **whose state it holds**: an optimizer steps each piece's local parameter, so ``optimizer.state`` holds
+  plain tensors of this rank's elements. ``optimizer.state_dict()`` returns them as pieces of their
+  parameters (``Piece``: the whole tensor to user code, no copy), so, as under DDP, the dict holds the
+  whole state: ``torch.save`` of it on every rank writes whole tensors (one agreed all-gather each; on one
+  rank alone it is refused by name, as for the model's), and ``load_state_dict`` of a whole state,
+  saved at any world size or plan, or of the pieces themselves, steps exactly: at the first step after the
+  state was replaced, every entry is made this rank's elements again (a whole tensor cut by the piece's
+  layout) and checked against the piece it now sits on, and the ranks agree on the verdict (one
+  all-reduce), so a state that is not the parameter's raises ``ShardwiseError`` on every rank instead of
+  stepping with the wrong moments. A state of this rank's elements (shardwise's own checkpoints, which
+  reshard; a state kept on the host by an offloading optimizer) is accepted when its tensors have the
+  pieces' shapes and, where it was saved with a stamp (``STAMP_KEY``: name, element range, size), the
+  stamp is this piece's.
 """
 
 from __future__ import annotations
@@ -181,22 +183,26 @@ def stamp_of(p: torch.Tensor) -> Optional[int]:
 
 
 def _problem(p: torch.Tensor, state: dict) -> Optional[str]:
+    """Make a just-loaded entry this rank's elements (see the module docstring); what is wrong with it, or None."""
     saved = state.pop(STAMP_KEY, None)
     if saved is not None and saved != stamp_of(p):
-        return "was saved for a different piece of it (another rank, world size or plan)"
+        return ("was saved per rank for a different piece of it (another rank, world size or plan): state "
+                "stamped with its piece loads only where it was saved")
     local = p._local
     for name, value in state.items():
         if isinstance(value, Piece) and value._layout == p._layout:
-            # State made from the piece outside a step (Adagrad's constructor: full_like(p)): the optimizer
-            # steps the local parameter, so its state is this rank's elements.
+            # optimizer.state_dict()'s own pieces, or state made from the piece outside a step (Adagrad's
+            # constructor: full_like(p)): the optimizer steps the local parameter, so its state is this
+            # rank's elements.
             value = state[name] = value._local
-        elif (isinstance(value, torch.Tensor) and not isinstance(value, Piece) and p._layout.is_whole
-              and value.shape == p.shape and value.shape != local.shape):
-            # The same under a group of one rank, where maths on the piece gives plain whole tensors.
-            value = state[name] = value.reshape(local.shape)
+        elif (isinstance(value, torch.Tensor) and not isinstance(value, Piece) and value.shape == p.shape
+              and value.shape != local.shape):
+            # A whole state (torch.save of state_dict() and back, at any world size or plan): this rank's
+            # elements, copied so the whole is not kept alive.
+            value = state[name] = p._layout.cut(value.to(local.device)).clone(memory_format=torch.contiguous_format)
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != local.shape:
-            return (f"holds {name!r} of shape {tuple(value.shape)}, but this rank's piece has shape "
-                    f"{tuple(local.shape)}")
+            return (f"holds {name!r} of shape {tuple(value.shape)}, but the parameter's shape is {tuple(p.shape)} "
+                    f"(this rank's piece: {tuple(local.shape)})")
     return None
 
 
@@ -221,10 +227,9 @@ def verify_state(optimizer, guard: _Guard) -> None:
         fqn = where[0].plan.params[where[1]].fqn
         detail = why if bad == first_bad else "on another rank of its shard group (see that rank's error)"
         raise ShardwiseError(
-            f"{type(optimizer).__name__}'s state for parameter {fqn!r} {detail}: after shardwise.shard() "
-            f"optimizer.state_dict() holds this rank's pieces only (plain tensors of its elements). Save and load it per rank "
-            f"(torch.save(opt.state_dict(), f'optim-rank{{rank}}.pt')) at the same world size and plan, or use "
-            f"shardwise.save_checkpoint / load_checkpoint, which reshard")
+            f"{type(optimizer).__name__}'s state for parameter {fqn!r} {detail}: load a state that "
+            f"optimizer.state_dict() returned for this model (whole tensors, saved with torch.save on every rank), "
+            f"or use shardwise.save_checkpoint / load_checkpoint")
 
 
 def _shard_groups(guard: _Guard) -> list:
@@ -240,9 +245,11 @@ def _shard_groups(guard: _Guard) -> list:
     return out
 
 
-def _stamp_state_dict(optimizer, state_dict: dict) -> dict:
-    """``register_state_dict_post_hook``: stamp each piece's entry of the returned dict (copies: the entries
-    are ``optimizer.state``'s own dicts)."""
+def _whole_state_dict(optimizer, state_dict: dict) -> dict:
+    """``register_state_dict_post_hook``: each piece's entry of the returned dict (a copy: the entries are
+    ``optimizer.state``'s own dicts) holds its tensors of this rank's elements as pieces of the parameter,
+    the whole state to user code and to torch.save, as DDP's is. An entry with such a tensor elsewhere (an
+    offloading optimizer's host copy) stays this rank's elements, stamped with its piece."""
     guard = _GUARDS.get(optimizer)
     if guard is None:
         return state_dict
@@ -250,8 +257,19 @@ def _stamp_state_dict(optimizer, state_dict: dict) -> dict:
     packed = state_dict["state"]
     for _i, p, _g, _gi in guard.pieces:
         k = index.get(id(p))
-        if k in packed:
-            packed[k] = {**packed[k], STAMP_KEY: stamp_of(p)}
+        if k not in packed:
+            continue
+        local, entry, stamped = p._local, dict(packed[k]), False
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, Piece) and value.dim() > 0 \
+                    and value.shape == local.shape:
+                if value.device == local.device:
+                    entry[name] = Piece(value, p._layout)
+                else:
+                    stamped = True
+        if stamped:
+            entry[STAMP_KEY] = stamp_of(p)
+        packed[k] = entry
     return state_dict
 
 
@@ -266,7 +284,7 @@ def examine(optimizer) -> _Guard:
         if optimizer not in _GUARDS and hasattr(optimizer, "register_state_dict_post_hook"):  # public since 2.3
             optimizer.register_state_dict_pre_hook(restore_swap)
             optimizer.register_load_state_dict_pre_hook(lambda opt, state_dict: restore_swap(opt))
-            optimizer.register_state_dict_post_hook(_stamp_state_dict)
+            optimizer.register_state_dict_post_hook(_whole_state_dict)
         guard = _examine(optimizer)
         _GUARDS[optimizer] = guard
     return guard
