@@ -119,12 +119,14 @@ def _params(optimizer) -> list:
 
 
 def adopt_successors(optimizer) -> None:
-    """An optimizer built before ``shard()`` (nanoGPT's order: ``configure_optimizers`` and then the DDP
-    wrapper) holds the original parameters, which shard() retired. One that has not stepped holds nothing of
-    theirs but their place in its groups: each is replaced, in place, by its shard parameter, so its groups
-    (weight decay by ``p.dim()``, learning rates) stay as the user built them, as with DDP, whose
-    parameters are the originals. One that holds state for a retired parameter (it stepped, or loaded a
-    state, before shard()) is refused: that state is whole tensors of the original, not this rank's."""
+    """An optimizer built before ``shard()`` (nanoGPT's order: ``configure_optimizers``, and on resume its
+    ``load_state_dict``, then the DDP wrapper) holds the original parameters, which shard() retired. Each is
+    replaced, in place, by its shard parameter, so its groups (weight decay by ``p.dim()``, learning rates)
+    stay as the user built them, as with DDP, whose parameters are the originals. A state it holds for them
+    (loaded, or stepped, before shard()) is whole tensors of the originals: the ranks agree that it is the
+    same state (a checksum, one agreed all-reduce), and each keeps its elements of it, as from a whole
+    state loaded after shard(). Called on every rank alike (a step, a checkpoint save)."""
+    adopted = []
     for group in optimizer.param_groups:
         params = group["params"]
         for i, p in enumerate(params):
@@ -132,13 +134,42 @@ def adopt_successors(optimizer) -> None:
             if fqn is None:
                 continue
             successor = p._shardwise_successor()
-            if successor is None or optimizer.state.get(p):
+            if successor is None:
                 raise ShardwiseError(
-                    f"{type(optimizer).__name__} holds parameter {fqn!r} from before shardwise.shard()"
-                    f"{' with optimizer state for it (it stepped or loaded a state before shard())' if successor is not None else ''}; "
-                    f"build the optimizer after shard() from model.parameters(), or load its state after shard()")
+                    f"{type(optimizer).__name__} holds parameter {fqn!r} from before shardwise.shard(), of a "
+                    f"sharded model that no longer exists; build the optimizer from the model's parameters")
             params[i] = successor
-            optimizer.state.pop(p, None)
+            state = optimizer.state.pop(p, None)
+            if state:
+                optimizer.state[successor] = state
+                adopted.append((fqn, successor, state))
+    if adopted:
+        _agree_adopted(optimizer, adopted)
+
+
+def _agree_adopted(optimizer, adopted: list) -> None:
+    """The whole state an optimizer held for the parameters before shard() is the same on every rank (else
+    each rank's elements would come from another state: refused by name); then this rank's elements."""
+    digest = 0
+    for fqn, _p, state in adopted:
+        for name in sorted(state):
+            value = state[name]
+            if isinstance(value, torch.Tensor):
+                raw = value.detach().reshape(-1).cpu().contiguous().view(torch.uint8)
+                digest = zlib.crc32(raw.numpy().tobytes(), zlib.crc32(f"{fqn}|{name}".encode(), digest))
+    spread = torch.tensor([digest, -digest], dtype=torch.int64)
+    for pg, device, checker in _groups_of([where_of(p)[0] for _f, p, _s in adopted]):
+        flag = spread.to(device)
+        collectives.run_agreed(checker, "optimizer_state_check", dist.all_reduce, flag, op=dist.ReduceOp.MAX,
+                               group=pg, what="the agreement on an optimizer state held from before shard()")
+        spread = flag.cpu()
+    if int(spread[0]) != -int(spread[1]):
+        raise ShardwiseError(
+            f"{type(optimizer).__name__} holds optimizer state for {len(adopted)} parameter(s) from before "
+            f"shardwise.shard() (first {adopted[0][0]!r}) that differs across ranks; load or step the same state "
+            f"on every rank before shard(), or load it after shard() (optimizer.load_state_dict)")
+    for _fqn, p, state in adopted:
+        _as_local_entry(p, state)
 
 
 def _examine(optimizer) -> _Guard:
@@ -188,22 +219,29 @@ def _problem(p: torch.Tensor, state: dict) -> Optional[str]:
     if saved is not None and saved != stamp_of(p):
         return ("was saved per rank for a different piece of it (another rank, world size or plan): state "
                 "stamped with its piece loads only where it was saved")
+    _as_local_entry(p, state)
+    local = p._local
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != local.shape:
+            return (f"holds {name!r} of shape {tuple(value.shape)}, but the parameter's shape is {tuple(p.shape)} "
+                    f"(this rank's piece: {tuple(local.shape)})")
+    return None
+
+
+def _as_local_entry(p: torch.Tensor, state: dict) -> None:
+    """Each of ``state``'s tensors that stands for the whole parameter made this rank's elements, in place."""
     local = p._local
     for name, value in state.items():
         if isinstance(value, Piece) and value._layout == p._layout:
             # optimizer.state_dict()'s own pieces, or state made from the piece outside a step (Adagrad's
             # constructor: full_like(p)): the optimizer steps the local parameter, so its state is this
             # rank's elements.
-            value = state[name] = value._local
+            state[name] = value._local
         elif (isinstance(value, torch.Tensor) and not isinstance(value, Piece) and value.shape == p.shape
               and value.shape != local.shape):
             # A whole state (torch.save of state_dict() and back, at any world size or plan): this rank's
             # elements, copied so the whole is not kept alive.
-            value = state[name] = p._layout.cut(value.to(local.device)).clone(memory_format=torch.contiguous_format)
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != local.shape:
-            return (f"holds {name!r} of shape {tuple(value.shape)}, but the parameter's shape is {tuple(p.shape)} "
-                    f"(this rank's piece: {tuple(local.shape)})")
-    return None
+            state[name] = p._layout.cut(value.to(local.device)).clone(memory_format=torch.contiguous_format)
 
 
 def verify_state(optimizer, guard: _Guard) -> None:
@@ -233,11 +271,15 @@ def verify_state(optimizer, guard: _Guard) -> None:
 
 
 def _shard_groups(guard: _Guard) -> list:
-    """The process groups over which the verdict is agreed: the shard and replicate groups of the
-    parameters' models (every rank that steps them; MAX over one, then the other, is MAX over all), each
-    with the device and the fingerprint checker of its model."""
+    """The process groups over which the verdict is agreed (``_groups_of`` the pieces' flat groups)."""
+    return _groups_of([group for _i, _p, group, _gi in guard.pieces])
+
+
+def _groups_of(flat_groups: list) -> list:
+    """The shard and replicate groups of the parameters' models (every rank that steps them; MAX over one,
+    then the other, is MAX over all), each with the device and the fingerprint checker of its model."""
     seen, out = set(), []
-    for _i, _p, group, _gi in guard.pieces:
+    for group in flat_groups:
         for pg in (group.pgs.shard, group.pgs.replicate):
             if pg is not None and id(pg) not in seen:
                 seen.add(id(pg))
