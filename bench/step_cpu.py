@@ -12,6 +12,9 @@ measured steps of the mean over ranks, as min / median / max over the repeats. R
 B, C... in fresh processes. The 1-minute load average is printed before each run: on a shared machine wall
 time follows the load; CPU seconds follow it less.
 
+``--impls floor``: the plain model plus only the data collectives every FSDP must issue at these units (see
+``_fsdp_floor``): the lowest CPU time any FSDP step can have here, what the issue's gpt-tiny target meets.
+
 What it does not show: GPU steps (no collectives overlap here), other optimizers, memory.
 """
 
@@ -51,6 +54,8 @@ def worker(args) -> None:
         shardwise.shard(model, units={Block})
     elif impl == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
+    elif impl == "floor":
+        floor_collectives = _fsdp_floor(model, Block)
     elif impl == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -68,8 +73,12 @@ def worker(args) -> None:
         x = torch.randint(0, vocab, (batch, seq), generator=gen)
         y = torch.randint(0, vocab, (batch, seq), generator=gen)
         c0, w0 = time.process_time(), time.perf_counter()
+        if impl == "floor":
+            floor_collectives("forward")
         loss = model(x, y).loss
         loss.backward()
+        if impl == "floor":
+            floor_collectives("backward")
         c1, w1 = time.process_time(), time.perf_counter()
         opt.step()
         c2, w2 = time.process_time(), time.perf_counter()
@@ -80,6 +89,35 @@ def worker(args) -> None:
     out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     Path(args.out).write_text(json.dumps(out))
     dist.destroy_process_group()
+
+
+def _fsdp_floor(model, block_type):
+    """The collectives no FSDP can do without, on a plain (unwrapped) model: per step an all-gather of every
+    unit in forward (the blocks and the root, the rest of the model), the blocks' re-gathers in backward
+    (resharded after forward) and one gradient reduction per unit (an all-reduce of the whole unit, as
+    shardwise reduce-scatters on gloo), each at its unit's size, issued and waited on one by one. No
+    agreement, no Python bookkeeping: the CPU time a step cannot go below with one unit per block."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    blocks = [sum(p.numel() for p in m.parameters()) for m in model.modules() if isinstance(m, block_type)]
+    units = [sum(p.numel() for p in model.parameters()) - sum(blocks)] + blocks
+    shards = {n: torch.zeros(-(-n // world)) for n in units}
+    gathered = {n: torch.zeros(-(-n // world) * world) for n in units}
+    grads = {n: torch.zeros(n) for n in units}
+
+    def issue(phase: str) -> None:
+        if phase == "forward":
+            for n in units:
+                dist.all_gather_into_tensor(gathered[n], shards[n])
+            return
+        for n in reversed(blocks):
+            dist.all_gather_into_tensor(gathered[n], shards[n])
+        for n in reversed(units):
+            dist.all_reduce(grads[n])
+
+    return issue
 
 
 def _port() -> int:

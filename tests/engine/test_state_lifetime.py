@@ -6,6 +6,8 @@ causes 2 and 3). One spawn per world size runs every scenario (``run_scenarios``
 * ZeRO-1/2's kept gathered parameters follow every write to the shards, however it is made (an optimizer
   step, ``load_pretrained`` after a forward, a write through ``p.data``, a write on one rank only), and
   the ranks agree on refilling them: outputs equal full_shard's.
+* A forward whose graph is dropped (no backward) leaves no gathered unit that the next forward would reuse
+  after the parameters were written: every strategy computes with the new values.
 * Buffer broadcast does not write a buffer that already holds rank 0's values: two forwards before one
   backward with a buffer saved for backward work as in plain torch.
 * A checkpoint of a base frozen at ``shard()`` and unfrozen after it saves what trains now.
@@ -101,6 +103,51 @@ def _kept_copy_writes(rank, world):
         gpt_loss(model, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
         assert_engine_clean(model)
         out[strategy] = seen
+    return out
+
+
+def _dropped_graph_then_write(rank, world):
+    """A forward with grad whose graph is dropped (no backward: an evaluation left under grad mode, a loss
+    skipped as NaN), then the parameters are written (p.data, an in-place write under no_grad, a load of
+    the state dict) and the model is run again: every strategy computes with the new values, as one process
+    does (units kept gathered for a backward that never came are not reused)."""
+    (x, y), = make_batches(1, VOCAB)
+    ref = _gpt()
+    opt = _sgd(ref.parameters())
+    gpt_loss(ref, x, y).backward()
+    opt.step()
+    writes = (lambda m: [p.data.mul_(0.5) for p in m.parameters()],
+              lambda m: [p.mul_(0.75) for p in m.parameters()])
+    want = []
+    for write in writes:
+        with torch.no_grad():
+            write(ref)
+        want.append(_logits(ref, x))
+    whole = {k: v.clone() for k, v in ref.state_dict().items()}
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.125)
+    want.append(_logits(ref, x))
+    out = {}
+    for strategy in STRATEGIES:
+        model = _gpt(strategy)
+        opt = _sgd(model.parameters())
+        gpt_loss(model, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        errs = []
+        for write in writes:
+            model(x).logits.sum()  # the graph is dropped here
+            with torch.no_grad():
+                write(model)
+            errs.append((_logits(model, x) - want[len(errs)]).abs().max().item())
+        model(x).logits.sum()
+        shardwise.load_full_state_dict(model, {k: v + 0.125 if k in dict(ref.named_parameters()) else v
+                                                for k, v in whole.items()})
+        errs.append((_logits(model, x) - want[-1]).abs().max().item())
+        gpt_loss(model, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
+        assert_engine_clean(model)
+        out[strategy] = errs
     return out
 
 
@@ -302,6 +349,7 @@ def _batchnorm_is_ddp(rank, world):
 def _scenarios(directory):
     return {"no_sync_dropped": _no_sync_dropped, "kept_copy_writes": _kept_copy_writes,
             "buffer_saved_for_backward": _buffer_saved_for_backward, "refusals": _refusals,
+            "dropped_graph_then_write": _dropped_graph_then_write,
             "load_pretrained_after_forward": lambda r, w: _load_pretrained_after_forward(r, w, directory),
             "offload_steps_in_backward": _offload_steps_in_backward,
             "offload_grad_kept": _offload_grad_kept, "batchnorm_is_ddp": _batchnorm_is_ddp, "offload_muon_kwargs": _offload_muon_kwargs,
@@ -340,6 +388,14 @@ def test_kept_parameters_follow_every_write_to_the_shards(llama_dir, world):
         for strategy in KEPT:
             for when, (got, want) in enumerate(zip(seen[strategy], seen["full_shard"])):
                 assert torch.equal(got, want), (strategy, ["after a step", "after p.data", "after rank 0", "after summon writeback"][when])
+
+
+def test_a_forward_whose_graph_is_dropped_leaves_no_stale_parameters_for_the_next(llama_dir, world):
+    for rank_report in _report(world, llama_dir):
+        errs = scenario(rank_report, "dropped_graph_then_write")
+        for strategy, by_write in errs.items():
+            assert all(e < 1e-5 for e in by_write), (strategy, ["p.data", "in place under no_grad",
+                                                                "load_full_state_dict"], by_write)
 
 
 def test_load_pretrained_after_a_forward_is_used_under_zero1_and_zero2(llama_dir, world):

@@ -163,7 +163,7 @@ def optimizer_row(cls, **kw):
     return train(make_opt=lambda ps: cls(ps, **kw))
 
 
-def save_load(rank0_only: bool, other_plan: bool = False):
+def save_load(rank0_only: bool, other_plan: bool = False, in_memory: bool = False):
     """Train a step, save the optimizer state as a DDP user would, load it into a fresh optimizer, train on."""
 
     def run(ctx: Ctx, batches):
@@ -171,6 +171,15 @@ def save_load(rank0_only: bool, other_plan: bool = False):
         ctx.loss(batches[0]).backward()
         opt.step()
         opt.zero_grad()
+        if in_memory:
+            fresh = torch.optim.AdamW(ctx.params(), lr=1e-2)
+            fresh.load_state_dict(opt.state_dict())
+            del opt
+            for batch in batches[1:]:
+                ctx.loss(batch).backward()
+                fresh.step()
+                fresh.zero_grad()
+            return
         buf = io.BytesIO()
         torch.save(opt.state_dict(), buf)
         blob = buf.getvalue()
@@ -188,6 +197,44 @@ def save_load(rank0_only: bool, other_plan: bool = False):
             fresh.step()
             fresh.zero_grad()
     return run
+
+
+def save_on_rank0_alone(ctx: Ctx, batches):
+    """The DDP habit ``if rank == 0: torch.save(opt.state_dict(), f)``: the whole state is gathered as it is
+    pickled, so every rank must save (refused by name on every rank, before the next step)."""
+    opt = torch.optim.AdamW(ctx.params(), lr=1e-2)
+    ctx.loss(batches[0]).backward()
+    opt.step()
+    opt.zero_grad()
+    if ctx.rank == 0:
+        torch.save(opt.state_dict(), io.BytesIO())
+    ctx.loss(batches[1]).backward()
+    opt.step()
+
+
+def load_another_ranks_stamped_state(ctx: Ctx, batches):
+    """A state of this rank's elements stamped with its piece (what an offloading optimizer's host state, or
+    an earlier shardwise, saves), loaded on another rank: refused by name at the first step."""
+    from shardwise.engine.surface.optimizer_guard import STAMP_KEY, stamp_of
+    from shardwise.engine.surface.pieces import local_of
+
+    opt = torch.optim.AdamW(ctx.params(), lr=1e-2)
+    ctx.loss(batches[0]).backward()
+    opt.step()
+    opt.zero_grad()
+    sd = opt.state_dict()
+    params = ctx.params()
+    sd["state"] = {k: {**{n: local_of(v).clone() for n, v in e.items()}, STAMP_KEY: stamp_of(params[k])}
+                   for k, e in sd["state"].items()}
+    blob = io.BytesIO()
+    torch.save(sd, blob)
+    theirs = _broadcast_object(blob.getvalue()) if ctx.sharded else blob.getvalue()  # rank 0's, loaded everywhere
+    fresh = torch.optim.AdamW(ctx.params(), lr=1e-2)
+    fresh.load_state_dict(torch.load(io.BytesIO(theirs), weights_only=True))
+    for batch in batches[1:]:
+        ctx.loss(batch).backward()
+        fresh.step()
+        fresh.zero_grad()
 
 
 def _broadcast_object(obj):
@@ -484,7 +531,7 @@ def assign_piece_sized_grad(ctx: Ctx):
 
 PIECE_OPTIMIZER = "is not a known elementwise optimizer"
 TORCH = "torch: "  # prefix: torch's own error, raised at construction on every rank (as in one process)
-NOT_ITS_STATE = "optimizer.state_dict() holds this rank's pieces only"
+NOT_ITS_STATE = "load a state that optimizer.state_dict() returned"
 WRITTEN = "was modified in place after the forward"
 
 ROWS = [
@@ -518,11 +565,15 @@ ROWS = [
     Row("an Adam subclass with its own step", optimizer_row(CustomStepAdam, lr=1e-2), PIECE_OPTIMIZER),
     Row("the same, declared with shardwise.allow_optimizer", optimizer_row(DeclaredAdam, lr=1e-2), whole_model=True),
     Row("an AdamW subclass that keeps AdamW's step", optimizer_row(DefaultsAdamW), whole_model=True),
-    Row("state_dict per rank, load_state_dict", save_load(rank0_only=False), whole_model=True),
-    Row("state_dict saved by rank 0, loaded everywhere", save_load(rank0_only=True), sharded_only(NOT_ITS_STATE),
+    # optimizer.state_dict() holds the whole state, as DDP's: whichever rank's file is loaded, at any plan.
+    Row("state_dict saved on every rank, load_state_dict", save_load(rank0_only=False), whole_model=True),
+    Row("state_dict of rank 0's file, loaded everywhere", save_load(rank0_only=True), whole_model=True),
+    Row("state_dict loaded at another shard size", save_load(rank0_only=False, other_plan=True), whole_model=True),
+    Row("state_dict kept in memory, load_state_dict", save_load(rank0_only=False, in_memory=True), whole_model=True),
+    Row("torch.save(opt.state_dict()) on rank 0 alone", save_on_rank0_alone,
+        sharded_only("ranks [0] are at torch.save of a sharded model's state_dict() pieces"), whole_model=True),
+    Row("a per-rank state of another piece (stamped)", load_another_ranks_stamped_state, sharded_only(NOT_ITS_STATE),
         whole_model=True),
-    Row("state_dict loaded at another shard size", save_load(rank0_only=False, other_plan=True),
-        sharded_only(NOT_ITS_STATE), whole_model=True),
     Row("register_hook after shard: clamp", hooked(False, clamp_hook)),
     Row("register_hook before shard: clamp", hooked(True, clamp_hook)),
     Row("register_hook before shard: full-shape mask", hooked(True, mask_hook)),

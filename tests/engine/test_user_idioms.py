@@ -388,6 +388,32 @@ def optimizer_built_before_wrapping(model, side):
     return dict(losses=losses, weights=side.whole(model))
 
 
+def optimizer_state_loaded_before_wrapping(model, side):
+    """nanoGPT's resume: ``configure_optimizers``, then ``optimizer.load_state_dict(checkpoint["optimizer"])``
+    (whole tensors, saved by a one-process run), then the wrapper, then training."""
+
+    def decay_groups(params):
+        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+    earlier = copy.deepcopy(model)  # the run that wrote the checkpoint: one step on a batch of its own
+    first = torch.optim.AdamW(decay_groups(list(earlier.parameters())), lr=1e-2)
+    x = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(7))
+    earlier(x, x)[1].backward()
+    first.step()
+    opt = torch.optim.AdamW(decay_groups(list(model.parameters())), lr=1e-2)
+    opt.load_state_dict(first.state_dict())
+    model = side.wrap(model, units={Block})
+    losses = []
+    for x, y in side.batches():
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(mean_over_ranks(loss))
+    return dict(losses=losses, weights=side.whole(model))
+
+
 def _file_loaded(path: str) -> dict:
     """A saved state dict, loaded in one process, under the model's own names (DDP's carry ``module.``)."""
     sd = torch.load(path, map_location="cpu", weights_only=True)
@@ -578,6 +604,7 @@ ROWS: dict[str, Row] = {
     "parameter count and shapes": Row(gpt, counts_and_shapes),
     "decay groups by p.dim() >= 2 (nanoGPT)": Row(gpt, decay_groups(lambda n, p: p.dim() >= 2)),
     "optimizer built before wrapping (nanoGPT's order)": Row(gpt, optimizer_built_before_wrapping),
+    "optimizer state loaded before wrapping (nanoGPT's resume)": Row(gpt, optimizer_state_loaded_before_wrapping),
     "no decay for p.ndim <= 1 or biases (timm)": Row(gpt, decay_groups(lambda n, p: not (p.ndim <= 1 or n.endswith(".bias")))),
     # saves, loaded back in one process
     "torch.save(model.state_dict()) on rank 0": Row(gpt, save_state_dict("rank 0"), alone=True,

@@ -44,8 +44,8 @@ from shardwise.engine.base.device import control_group
 from shardwise.errors import ShardwiseError
 
 # A piece pickled (torch.save of model.state_dict()) gathers the whole: on one rank only, this names it.
-PICKLE_PIECES = ("torch.save of a sharded model's state_dict() pieces (every rank must call it; or use "
-                 "shardwise.save_whole_model / shardwise.full_state_dict)")
+PICKLE_PIECES = ("torch.save of a sharded model's state_dict() pieces (the model's or its optimizer's: every "
+                 "rank must call it; or use shardwise.save_whole_model / shardwise.full_state_dict)")
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast_buffers", "clip_grad_norm", "state_dict",
        "summon_full_params", "checkpoint", "kept_copy_agreement", "grad_reduction",
        "optimizer_state_check", "tensor_hook_gather", "overflow_vote", "load_state_dict", "phase_start",

@@ -282,13 +282,19 @@ class ModelRuntime:
             g.written = True
 
     def settle(self) -> None:
-        """Between steps: recover if the last forward or backward raised (see [Note: recovery]); follow a
-        dtype conversion of the model, refuse other changes to its parameters (Unit.check_intact)."""
+        """Between steps: recover if the last forward or backward raised (see [Note: recovery]); free what a
+        forward without its backward left gathered; follow a dtype conversion of the model, refuse other
+        changes to its parameters (Unit.check_intact)."""
         stale = self.phase is Phase.BACKWARD or any(
             u.backward_views is not None or any(f.kind is not FrameKind.SUMMON for f in u.frames) for u in self.units)
         if stale:
             self.recover()
         for u in self.units:
+            # A forward whose graph was dropped (no backward came) left units gathered for that backward (the
+            # root; every unit under shard_grad_op); the shards may have been written since: free them, so the
+            # next entry gathers again. (If that backward does come, its pre-backward hook gathers them.)
+            if not u.frames and u.backward_views is None:
+                u.reshard()
             if not u.params_bound():  # (bound: inside summon_full_params)
                 u.check_intact()
 

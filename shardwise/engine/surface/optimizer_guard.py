@@ -16,17 +16,19 @@ changes, or its state is replaced by ``load_state_dict``), so a step costs a dic
   (orthogonalises a matrix), SparseAdam and any unknown class are refused by name, unless the user
   declares the class with ``shardwise.allow_optimizer`` (an explicit opt-in: "this class updates each
   element from that element alone", or "I accept the per-piece result").
-- **whose state it holds**: optimizer state is per piece (plain tensors of this rank's elements).
-  ``optimizer.state_dict()`` stamps every piece's
-  entry *in the dict it returns* (``optimizer.state`` itself is left alone) with the piece it belongs to
-  (``STAMP_KEY``: a checksum of the parameter's name, its element range on this rank and its size);
-  ``load_state_dict`` carries the stamps into ``optimizer.state``. At the first step after the state was
-  replaced, every entry is compared with the piece it now sits on (and its stamp removed), and the ranks
-  agree on the verdict (one all-reduce), so a state saved by rank 0 alone and loaded everywhere (the DDP
-  habit), or one saved at another world size or plan, raises ``ShardwiseError`` on every rank instead of
-  stepping with the wrong moments. A state without stamps (shardwise's own checkpoints reshard; a
-  ``state_dict()`` taken before the optimizer's first step) is accepted when its tensors have the pieces'
-  shapes.
+- **whose state it holds**: an optimizer steps each piece's local parameter, so ``optimizer.state`` holds
+  plain tensors of this rank's elements. ``optimizer.state_dict()`` returns them as pieces of their
+  parameters (``Piece``: the whole tensor to user code, no copy), so, as under DDP, the dict holds the
+  whole state: ``torch.save`` of it on every rank writes whole tensors (one agreed all-gather each; on one
+  rank alone it is refused by name, as for the model's), and ``load_state_dict`` of a whole state,
+  saved at any world size or plan, or of the pieces themselves, steps exactly: at the first step after the
+  state was replaced, every entry is made this rank's elements again (a whole tensor cut by the piece's
+  layout) and checked against the piece it now sits on, and the ranks agree on the verdict (one
+  all-reduce), so a state that is not the parameter's raises ``ShardwiseError`` on every rank instead of
+  stepping with the wrong moments. A state of this rank's elements (shardwise's own checkpoints, which
+  reshard; a state kept on the host by an offloading optimizer) is accepted when its tensors have the
+  pieces' shapes and, where it was saved with a stamp (``STAMP_KEY``: name, element range, size), the
+  stamp is this piece's.
 """
 
 from __future__ import annotations
@@ -117,12 +119,14 @@ def _params(optimizer) -> list:
 
 
 def adopt_successors(optimizer) -> None:
-    """An optimizer built before ``shard()`` (nanoGPT's order: ``configure_optimizers`` and then the DDP
-    wrapper) holds the original parameters, which shard() retired. One that has not stepped holds nothing of
-    theirs but their place in its groups: each is replaced, in place, by its shard parameter, so its groups
-    (weight decay by ``p.dim()``, learning rates) stay as the user built them, as with DDP, whose
-    parameters are the originals. One that holds state for a retired parameter (it stepped, or loaded a
-    state, before shard()) is refused: that state is whole tensors of the original, not this rank's."""
+    """An optimizer built before ``shard()`` (nanoGPT's order: ``configure_optimizers``, and on resume its
+    ``load_state_dict``, then the DDP wrapper) holds the original parameters, which shard() retired. Each is
+    replaced, in place, by its shard parameter, so its groups (weight decay by ``p.dim()``, learning rates)
+    stay as the user built them, as with DDP, whose parameters are the originals. A state it holds for them
+    (loaded, or stepped, before shard()) is whole tensors of the originals: the ranks agree that it is the
+    same state (a checksum, one agreed all-reduce), and each keeps its elements of it, as from a whole
+    state loaded after shard(). Called on every rank alike (a step, a checkpoint save)."""
+    adopted = []
     for group in optimizer.param_groups:
         params = group["params"]
         for i, p in enumerate(params):
@@ -130,13 +134,42 @@ def adopt_successors(optimizer) -> None:
             if fqn is None:
                 continue
             successor = p._shardwise_successor()
-            if successor is None or optimizer.state.get(p):
+            if successor is None:
                 raise ShardwiseError(
-                    f"{type(optimizer).__name__} holds parameter {fqn!r} from before shardwise.shard()"
-                    f"{' with optimizer state for it (it stepped or loaded a state before shard())' if successor is not None else ''}; "
-                    f"build the optimizer after shard() from model.parameters(), or load its state after shard()")
+                    f"{type(optimizer).__name__} holds parameter {fqn!r} from before shardwise.shard(), of a "
+                    f"sharded model that no longer exists; build the optimizer from the model's parameters")
             params[i] = successor
-            optimizer.state.pop(p, None)
+            state = optimizer.state.pop(p, None)
+            if state:
+                optimizer.state[successor] = state
+                adopted.append((fqn, successor, state))
+    if adopted:
+        _agree_adopted(optimizer, adopted)
+
+
+def _agree_adopted(optimizer, adopted: list) -> None:
+    """The whole state an optimizer held for the parameters before shard() is the same on every rank (else
+    each rank's elements would come from another state: refused by name); then this rank's elements."""
+    digest = 0
+    for fqn, _p, state in adopted:
+        for name in sorted(state):
+            value = state[name]
+            if isinstance(value, torch.Tensor):
+                raw = value.detach().reshape(-1).cpu().contiguous().view(torch.uint8)
+                digest = zlib.crc32(raw.numpy().tobytes(), zlib.crc32(f"{fqn}|{name}".encode(), digest))
+    spread = torch.tensor([digest, -digest], dtype=torch.int64)
+    for pg, device, checker in _groups_of([where_of(p)[0] for _f, p, _s in adopted]):
+        flag = spread.to(device)
+        collectives.run_agreed(checker, "optimizer_state_check", dist.all_reduce, flag, op=dist.ReduceOp.MAX,
+                               group=pg, what="the agreement on an optimizer state held from before shard()")
+        spread = flag.cpu()
+    if int(spread[0]) != -int(spread[1]):
+        raise ShardwiseError(
+            f"{type(optimizer).__name__} holds optimizer state for {len(adopted)} parameter(s) from before "
+            f"shardwise.shard() (first {adopted[0][0]!r}) that differs across ranks; load or step the same state "
+            f"on every rank before shard(), or load it after shard() (optimizer.load_state_dict)")
+    for _fqn, p, state in adopted:
+        _as_local_entry(p, state)
 
 
 def _examine(optimizer) -> _Guard:
@@ -181,23 +214,34 @@ def stamp_of(p: torch.Tensor) -> Optional[int]:
 
 
 def _problem(p: torch.Tensor, state: dict) -> Optional[str]:
+    """Make a just-loaded entry this rank's elements (see the module docstring); what is wrong with it, or None."""
     saved = state.pop(STAMP_KEY, None)
     if saved is not None and saved != stamp_of(p):
-        return "was saved for a different piece of it (another rank, world size or plan)"
+        return ("was saved per rank for a different piece of it (another rank, world size or plan): state "
+                "stamped with its piece loads only where it was saved")
+    _as_local_entry(p, state)
+    local = p._local
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != local.shape:
+            return (f"holds {name!r} of shape {tuple(value.shape)}, but the parameter's shape is {tuple(p.shape)} "
+                    f"(this rank's piece: {tuple(local.shape)})")
+    return None
+
+
+def _as_local_entry(p: torch.Tensor, state: dict) -> None:
+    """Each of ``state``'s tensors that stands for the whole parameter made this rank's elements, in place."""
     local = p._local
     for name, value in state.items():
         if isinstance(value, Piece) and value._layout == p._layout:
-            # State made from the piece outside a step (Adagrad's constructor: full_like(p)): the optimizer
-            # steps the local parameter, so its state is this rank's elements.
-            value = state[name] = value._local
-        elif (isinstance(value, torch.Tensor) and not isinstance(value, Piece) and p._layout.is_whole
-              and value.shape == p.shape and value.shape != local.shape):
-            # The same under a group of one rank, where maths on the piece gives plain whole tensors.
-            value = state[name] = value.reshape(local.shape)
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != local.shape:
-            return (f"holds {name!r} of shape {tuple(value.shape)}, but this rank's piece has shape "
-                    f"{tuple(local.shape)}")
-    return None
+            # optimizer.state_dict()'s own pieces, or state made from the piece outside a step (Adagrad's
+            # constructor: full_like(p)): the optimizer steps the local parameter, so its state is this
+            # rank's elements.
+            state[name] = value._local
+        elif (isinstance(value, torch.Tensor) and not isinstance(value, Piece) and value.shape == p.shape
+              and value.shape != local.shape):
+            # A whole state (torch.save of state_dict() and back, at any world size or plan): this rank's
+            # elements, copied so the whole is not kept alive.
+            state[name] = p._layout.cut(value.to(local.device)).clone(memory_format=torch.contiguous_format)
 
 
 def verify_state(optimizer, guard: _Guard) -> None:
@@ -221,18 +265,21 @@ def verify_state(optimizer, guard: _Guard) -> None:
         fqn = where[0].plan.params[where[1]].fqn
         detail = why if bad == first_bad else "on another rank of its shard group (see that rank's error)"
         raise ShardwiseError(
-            f"{type(optimizer).__name__}'s state for parameter {fqn!r} {detail}: after shardwise.shard() "
-            f"optimizer.state_dict() holds this rank's pieces only (plain tensors of its elements). Save and load it per rank "
-            f"(torch.save(opt.state_dict(), f'optim-rank{{rank}}.pt')) at the same world size and plan, or use "
-            f"shardwise.save_checkpoint / load_checkpoint, which reshard")
+            f"{type(optimizer).__name__}'s state for parameter {fqn!r} {detail}: load a state that "
+            f"optimizer.state_dict() returned for this model (whole tensors, saved with torch.save on every rank), "
+            f"or use shardwise.save_checkpoint / load_checkpoint")
 
 
 def _shard_groups(guard: _Guard) -> list:
-    """The process groups over which the verdict is agreed: the shard and replicate groups of the
-    parameters' models (every rank that steps them; MAX over one, then the other, is MAX over all), each
-    with the device and the fingerprint checker of its model."""
+    """The process groups over which the verdict is agreed (``_groups_of`` the pieces' flat groups)."""
+    return _groups_of([group for _i, _p, group, _gi in guard.pieces])
+
+
+def _groups_of(flat_groups: list) -> list:
+    """The shard and replicate groups of the parameters' models (every rank that steps them; MAX over one,
+    then the other, is MAX over all), each with the device and the fingerprint checker of its model."""
     seen, out = set(), []
-    for _i, _p, group, _gi in guard.pieces:
+    for group in flat_groups:
         for pg in (group.pgs.shard, group.pgs.replicate):
             if pg is not None and id(pg) not in seen:
                 seen.add(id(pg))
@@ -240,9 +287,11 @@ def _shard_groups(guard: _Guard) -> list:
     return out
 
 
-def _stamp_state_dict(optimizer, state_dict: dict) -> dict:
-    """``register_state_dict_post_hook``: stamp each piece's entry of the returned dict (copies: the entries
-    are ``optimizer.state``'s own dicts)."""
+def _whole_state_dict(optimizer, state_dict: dict) -> dict:
+    """``register_state_dict_post_hook``: each piece's entry of the returned dict (a copy: the entries are
+    ``optimizer.state``'s own dicts) holds its tensors of this rank's elements as pieces of the parameter,
+    the whole state to user code and to torch.save, as DDP's is. An entry with such a tensor elsewhere (an
+    offloading optimizer's host copy) stays this rank's elements, stamped with its piece."""
     guard = _GUARDS.get(optimizer)
     if guard is None:
         return state_dict
@@ -250,8 +299,19 @@ def _stamp_state_dict(optimizer, state_dict: dict) -> dict:
     packed = state_dict["state"]
     for _i, p, _g, _gi in guard.pieces:
         k = index.get(id(p))
-        if k in packed:
-            packed[k] = {**packed[k], STAMP_KEY: stamp_of(p)}
+        if k not in packed:
+            continue
+        local, entry, stamped = p._local, dict(packed[k]), False
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, Piece) and value.dim() > 0 \
+                    and value.shape == local.shape:
+                if value.device == local.device:
+                    entry[name] = Piece(value, p._layout)
+                else:
+                    stamped = True
+        if stamped:
+            entry[STAMP_KEY] = stamp_of(p)
+        packed[k] = entry
     return state_dict
 
 
@@ -266,7 +326,7 @@ def examine(optimizer) -> _Guard:
         if optimizer not in _GUARDS and hasattr(optimizer, "register_state_dict_post_hook"):  # public since 2.3
             optimizer.register_state_dict_pre_hook(restore_swap)
             optimizer.register_load_state_dict_pre_hook(lambda opt, state_dict: restore_swap(opt))
-            optimizer.register_state_dict_post_hook(_stamp_state_dict)
+            optimizer.register_state_dict_post_hook(_whole_state_dict)
         guard = _examine(optimizer)
         _GUARDS[optimizer] = guard
     return guard
