@@ -9,8 +9,9 @@ step, and the bytes each rank receives through weight all-gathers per step.
         --batch 4 --seq-len 1024 --steps 6 --repeats 2                  # one GPU: step time and peak memory
 
 CPU (default): both runs load the same bf16 Hugging Face directory (written once into --workdir: a random
-Llama of the given shape), build the model on meta, wrap every projection with LoRA r=16, shard with bf16
-mixed precision and activation checkpointing, and train with AdamW on random tokens. The QLoRA run quantises
+Llama of the given shape), build the model on meta, wrap every projection with LoRA r=16, shard with the units
+``shardwise train`` gives it in that checkout (``trainer_units``), bf16 mixed precision and activation
+checkpointing, and train with AdamW on random tokens. The QLoRA run quantises
 the base on load (each rank only its bytes). One process per rank (gloo, one thread each, as in
 compare_cpu.py). Runs alternate (for each repeat: every checkout, every mode), each in fresh processes.
 
@@ -21,7 +22,7 @@ QLoRA run quantises them there), then sharded onto the GPU; peak memory is ``tor
 Memory on CPU: per rank, the peak RSS (VmHWM) of each phase of a timed step -- forward, backward, optimizer
 step, reset between them through /proc/self/clear_refs -- less the RSS once the model is built on meta (so the
 libraries it imports, ~0.2 GB, are not counted and neither is the load's own peak), against ``estimate-memory
---device cpu`` for the same configuration (this checkout's planner). The planner counts live bytes; run with
+--device cpu`` for the same configuration (the measured checkout's planner). The planner counts live bytes; run with
 ``MALLOC_MMAP_THRESHOLD_=65536`` to make RSS track them (glibc then returns every freed block of 64 KiB or
 more at once), without it RSS also holds what glibc keeps of freed blocks.
 
@@ -161,6 +162,18 @@ def count_dequantizations(counter: list) -> None:
     Layout4bit.dequantize = counted
 
 
+def trainer_units(model, args):
+    """The units ``shardwise train`` gives this model in the checkout being measured (its ``ModelSpec.units``):
+    the decoder layers before issue #26's last change, "auto+head" after (an untied embedding and head each a
+    unit); what its planner plans for."""
+    from shardwise.hf.model_spec import resolve_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.json"
+        path.write_text(json.dumps(config_dict(args)))
+        return resolve_model(str(path)).units(model, "transformer_based_wrap", [])
+
+
 def build(mode: str, args, model_dir: str, device: torch.device):
     """The LoRA model of ``mode``, sharded onto ``device`` (bf16 compute, activation checkpointing), its
     weights loaded; and (load seconds, RSS once built on meta)."""
@@ -186,13 +199,14 @@ def build(mode: str, args, model_dir: str, device: torch.device):
     # modelling code, peft: ~0.2 GB of RSS) is already loaded and not counted as the model's memory.
     baseline = current_rss()
     mp = shardwise.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    units = trainer_units(model, args)
     if device.type == "cpu":
-        shardwise.shard(model, mixed_precision=mp, activation_checkpointing=True,
+        shardwise.shard(model, units=units, mixed_precision=mp, activation_checkpointing=True,
                         param_init_fn=lora_param_init_fn(model, shardwise.skip_weight_init(model)))
         t0 = time.perf_counter()
         shardwise.load_pretrained(model, model_dir, rename=pretrained_name, quantization=q)
         return model, time.perf_counter() - t0, baseline
-    shardwise.shard(model, device=device, mixed_precision=mp, activation_checkpointing=True)
+    shardwise.shard(model, units=units, device=device, mixed_precision=mp, activation_checkpointing=True)
     return model, 0.0, baseline
 
 
@@ -259,14 +273,23 @@ def worker(rank: int, world: int, init: str, model_dir: str, mode: str, code: st
     dist.destroy_process_group()
 
 
-def planner_total(model_dir: Path, mode: str, args) -> int:
-    from shardwise.planner.memory import PlanInputs, plan_memory
+def planner_total(model_dir: Path, mode: str, args, code: str) -> int:
+    """``code``'s planner (in a fresh process): its per-rank total for this run."""
+    import subprocess
 
-    inputs = PlanInputs(str(model_dir / "config.json"), args.world_size, mixed_precision="bf16",
-                        activation_checkpointing=True, batch_size=args.batch, seq_len=args.seq_len, dtype="bf16",
-                        device=args.device, lora_r=16, lora_target_modules=TARGETS, lora_base_dtype="bf16",
-                        load_in_4bit=mode == "qlora")
-    return plan_memory(inputs).total_bytes
+    script = f"""
+import sys
+sys.path.insert(0, {code!r})
+from shardwise.planner.memory import PlanInputs, plan_memory
+inputs = PlanInputs({str(model_dir / "config.json")!r}, {args.world_size}, mixed_precision="bf16",
+                    activation_checkpointing=True, batch_size={args.batch}, seq_len={args.seq_len}, dtype="bf16",
+                    device={args.device!r}, lora_r=16, lora_target_modules={TARGETS!r}, lora_base_dtype="bf16",
+                    load_in_4bit={mode == "qlora"})
+print(plan_memory(inputs).total_bytes)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return int(out.stdout.strip().splitlines()[-1])
 
 
 def run(mode: str, code: str, model_dir: Path, args) -> list[dict]:
@@ -373,11 +396,11 @@ def main() -> None:
     print(f"\n| checkout | run | step s (slowest rank's median) min / median / max | CPU s per step per rank | peak "
           f"{unit} | planner | dequantisations per weight per step | all-gathered per rank per step | load (1 min) |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for label, _ in codes:
+    for label, path in codes:
         for mode in modes:
             mine = [rs for _, lb, m, _, rs in runs if lb == label and m == mode]
             loads = [ld for _, lb, m, ld, _ in runs if lb == label and m == mode]
-            planned = planner_total(model_dir, mode, args) if args.device == "cpu" else None
+            planned = planner_total(model_dir, mode, args, path) if args.device == "cpu" else None
             gathered = ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in sorted(mine[0][0]["gathered_per_step"].items()))
             print(f"| {label} | {mode} | {spread([max(r['step_s'] for r in rs) for rs in mine], '{:.3f}')} | "
                   f"{spread([max(r['cpu_s'] for r in rs) for rs in mine], '{:.3f}')} | "

@@ -28,7 +28,7 @@ from shardwise.engine.base.mixed_precision import MixedPrecision
 from shardwise.engine.base.cpu_offload import CPUOffload
 from shardwise.engine.offload_transfers import OffloadTransfers
 from shardwise.engine.surface.param_hooks import adopt_tensor_hooks
-from shardwise.engine.base.plan import UnitsSpec, build_plan, entry_modules
+from shardwise.engine.base.plan import AUTO, AUTO_WITH_HEAD, UnitsSpec, build_plan, entry_modules
 from shardwise.engine.core.runtime import STATE_ATTR, ModelRuntime, Unit
 from shardwise.engine.surface.shard_param import ShardParamFactory, warn_if_backward_inputs_unseen
 from shardwise.engine.base.strategy import Strategy, resolve_groups
@@ -54,9 +54,10 @@ def shard(
         units: what becomes a unit (one all-gather / reduce-scatter each): a set of module classes, a
             callable ``(module) -> bool``, ``"auto"`` (Hugging Face ``_no_split_modules``, else the children
             of the largest ``nn.ModuleList``; a model with neither, a CNN or an MLP, becomes one unit, with a
-            warning; and a Hugging Face model's input embedding and output head, each a unit of its own
-            unless they are tied: ``plan.edge_unit_modules``), or ``None`` (one unit: the whole model).
-            Parameters outside every unit form the root unit.
+            warning; and a Hugging Face model's input embedding, a unit of its own unless it is tied to the
+            head), ``"auto+head"`` (the same, and the untied output head a unit too: for code whose loss calls
+            the head, not a fused loss reading its weight; ``plan.edge_unit_modules``), or ``None`` (one unit:
+            the whole model). Parameters outside every unit form the root unit.
         strategy: full_shard (ZeRO-3), shard_grad_op (FSDP's ZeRO-2: parameters gathered once per step),
             shard_optim_grad (DeepSpeed's ZeRO-2: full parameters kept across steps, gradients and optimizer
             state sharded), shard_optim (ZeRO-1: only optimizer state and masters sharded), no_shard (DDP),
@@ -105,8 +106,8 @@ def shard(
     world = dist.group.WORLD if dist.get_world_size() > 1 else None
     shard_group, replicate_group, world_group = devices.own_groups([pgs.shard, pgs.replicate, world])
     pgs = dataclasses.replace(pgs, shard=shard_group, replicate=replicate_group, world=world_group)
-    if units == "auto" and len(plan.units) == 1 and dist.get_rank() == 0:
-        warnings.warn(f"shardwise.shard(units='auto'): {type(model).__name__} has no repeated blocks (no Hugging Face "
+    if units in (AUTO, AUTO_WITH_HEAD) and len(plan.units) == 1 and dist.get_rank() == 0:
+        warnings.warn(f"shardwise.shard(units={units!r}): {type(model).__name__} has no repeated blocks (no Hugging Face "
                       f"_no_split_modules, no nn.ModuleList), so the whole model is one unit, gathered whole for "
                       f"its forward and backward; pass units={{SomeBlock, ...}} (module classes) to shard it finer, "
                       f"or units=None to say one unit is meant", UserWarning, stacklevel=2)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from shardwise.hf.presets import ARCH_PRESETS
 from shardwise.errors import ShardwiseError
 from shardwise.engine.hf_init import hf_param_init_fn
+from shardwise.engine.base.plan import AUTO_WITH_HEAD
 from shardwise.models.gpt import GPT, PRESETS, Block, GPTConfig
 from shardwise.hf.pretrained import load_pretrained, skip_weight_init
 from shardwise.checkpoint.files import RUN_MODEL_FILES, copy_model_files
@@ -84,13 +85,14 @@ class ModelSpec:
 
     def units(self, model: nn.Module, auto_wrap: str, cls_names: list[str]):
         """The ``units=`` argument for ``shardwise.shard`` from the Accelerate-style wrap settings: the classes
-        named, else GPT's Block, else ``"auto"`` (a Hugging Face model's ``_no_split_modules`` blocks, and its
-        untied embedding and head each a unit: ``engine.base.plan``, the one place that decides)."""
+        named, else GPT's Block, else ``"auto+head"`` (a Hugging Face model's ``_no_split_modules`` blocks, and
+        its untied embedding and head each a unit: ``engine.base.plan``, the one place that decides; the head
+        may be a unit because the trainer's loss goes through it, ``lm_logits``)."""
         if auto_wrap == "no_wrap":
             return None
         if cls_names:
             return classes_named(model, cls_names, "--transformer-layer-cls-to-wrap")
-        return {Block} if self.kind == "gpt" else "auto"
+        return {Block} if self.kind == "gpt" else AUTO_WITH_HEAD
 
     def num_params(self, model: nn.Module) -> int:
         seen, total = set(), 0

@@ -235,5 +235,6 @@ def _units_text(model: nn.Module) -> str:
     from shardwise.engine.core.runtime import runtime_of
 
     units = runtime_of(model).units
-    kinds = Counter(type(u.plan.module).__name__ for u in units if not u.plan.is_root)
-    return " + ".join([f"{count} {name}" for name, count in sorted(kinds.items())] + ["the root"])
+    kinds = Counter(type(u.plan.module).__name__ for u in units if not u.plan.is_root and u.plan.edge is None)
+    edges = [f"the {u.plan.edge}" for u in units if u.plan.edge is not None]
+    return " + ".join([f"{count} {name}" for name, count in sorted(kinds.items())] + edges + ["the root"])

@@ -1,12 +1,16 @@
-"""A Hugging Face causal LM's input embedding and output head are units of their own under ``units="auto"``
-(``edge_unit_modules`` in shardwise/engine/base/plan.py), as torchtitan shards ``tok_embeddings`` and
-``output`` apart from the layers, unless they are tied:
+"""A Hugging Face causal LM's input embedding is a unit of its own under ``units="auto"``, and its output head
+too under ``"auto+head"`` (the trainer's default), as torchtitan shards ``tok_embeddings`` and ``output`` apart
+from the layers, unless they are tied (``edge_unit_modules`` in shardwise/engine/base/plan.py):
 
-* untied Llama, fp32, SGD with momentum and AdamW: parity with one process at world sizes 2 and 3 (uneven
-  shards; the other rows run at 2); the embedding is resharded right after its lookup (no byte of it gathered during any layer's
-  forward), the head is gathered only from the last layer's forward (prefetched) to its own backward;
+* untied Llama under "auto+head", fp32, SGD with momentum and AdamW: parity with one process at world sizes 2
+  and 3 (uneven shards; the other rows run at 2); the embedding is resharded right after its lookup (no byte
+  of it gathered during any layer's forward), the head is gathered from the last layer's forward (prefetched)
+  to its own backward, and released then;
 * with activation checkpointing the layers are recomputed, the embedding and the head are not;
 * LoRA (frozen embedding): the embedding's backward never comes, so no layer's backward prefetches it;
+* a fused loss that reads ``lm_head.weight`` inside the model's forward without calling the head (TRL's
+  SFTTrainer by default): trains in parity under "auto", where the head stays in the root; under
+  "auto+head" the weight read there is a shard, refused by name;
 * tied Llama (``tie_word_embeddings``): the shared weight stays in the root, one unit at both ends; parity;
 * a checkpoint written with the units of before (the decoder layers only, the root holding embedding and head)
   loads into the new units and the other way round: the format records each parameter's element ranges,
@@ -18,6 +22,7 @@ One spawn per world size runs its scenarios.
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -49,6 +54,16 @@ def _loss(model, x, y):
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
+def _fuse_head(model) -> None:
+    """The model's forward as TRL's fused LM head runs it: the backbone, then ``lm_head.weight`` read
+    directly (the head module is never called)."""
+    def forward(self, input_ids, use_cache=False):
+        hidden = self.model(input_ids=input_ids).last_hidden_state
+        return types.SimpleNamespace(logits=hidden @ self.get_output_embeddings().weight.t())
+
+    model.forward = types.MethodType(forward, model)
+
+
 def _unit_of(model, module):
     from shardwise.engine.core.runtime import runtime_of
 
@@ -59,13 +74,16 @@ def _gathered(unit) -> int:
     return 0 if unit is None else sum(g.gathered.untyped_storage().nbytes() for g in unit.flat_groups)
 
 
-def _train(rank, world, initial, optimizer="sgd", **shard_kwargs) -> dict:
-    """Train a sharded copy of ``initial`` (units="auto") beside one process; record, at every layer's
-    forward and at its MLP's backward (after the layer's own pre-backward, which prefetches), the embedding
-    unit's and the head unit's gathered bytes."""
+def _train(rank, world, initial, optimizer="sgd", units="auto+head", fused=False, **shard_kwargs) -> dict:
+    """Train a sharded copy of ``initial`` beside one process; record, at every layer's forward, between the
+    forward and the backward, and at every layer's MLP's backward (after the layer's own pre-backward, which
+    prefetches), the embedding unit's and the head unit's gathered bytes."""
     from shardwise.engine.core.runtime import runtime_of
+    from shardwise.integrations.transformers import _units_text
 
-    model = shardwise.shard(copy.deepcopy(initial), units="auto", **shard_kwargs)
+    model, ref = shardwise.shard(copy.deepcopy(initial), units=units, **shard_kwargs), copy.deepcopy(initial)
+    if fused:
+        _fuse_head(model), _fuse_head(ref)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     embed, head = _unit_of(model, base.get_input_embeddings()), _unit_of(model, base.get_output_embeddings())
     seen = {"forward": [], "backward": [], "between": []}
@@ -76,16 +94,25 @@ def _train(rank, world, initial, optimizer="sgd", **shard_kwargs) -> dict:
 
     def loss_step(m, batch, _step, take):
         loss = _loss(m, take(batch[0]), take(batch[1]))
-        if m is model:  # between the forward and the backward
+        if m is model:
             seen["between"].append((_gathered(embed), _gathered(head)))
         loss.backward()
         return loss.detach()
 
-    metrics = train_pair(model, copy.deepcopy(initial), loss_step, make_batches(STEPS, VOCAB), rank, world,
-                         optimizer=optimizer)
+    metrics = train_pair(model, ref, loss_step, make_batches(STEPS, VOCAB), rank, world, optimizer=optimizer)
     units = runtime_of(model).units
     return {"metrics": metrics, "seen": seen, "units": [(u.label, u.plan.edge) for u in units],
-            "recomputed": [u.label for u in units if "forward" in vars(u.plan.module)]}
+            "said": _units_text(model), "recomputed": [u.label for u in units if "forward" in vars(u.plan.module)]}
+
+
+def _fused_head_unit_refused(rank, world) -> str:
+    model = shardwise.shard(_llama(), units="auto+head")
+    _fuse_head(model)
+    try:
+        _loss(model, *(local_slice(t, rank, world) for t in make_batches(1, VOCAB)[0]))
+    except shardwise.ShardwiseError as e:
+        return str(e)
+    return "no error"
 
 
 def _lora(seed: int = 0):
@@ -107,8 +134,9 @@ def _checkpoint_across_units(rank, world, root, saved_units, loaded_units) -> di
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     from shardwise.checkpoint import load_checkpoint, save_checkpoint
+    from shardwise.engine.core.runtime import runtime_of
 
-    units = {"blocks": {LlamaDecoderLayer}, "auto": "auto"}
+    units = {"blocks": {LlamaDecoderLayer}, "auto+head": "auto+head"}
     batches = make_batches(3, VOCAB)
 
     def step(model, opt, batch):
@@ -132,7 +160,7 @@ def _checkpoint_across_units(rank, world, root, saved_units, loaded_units) -> di
     other, other_opt = build(loaded_units, 7)
     load_checkpoint(path, other, other_opt)
     loaded = shardwise.full_state_dict(other)
-    return {"units": [len(m._shardwise.units) for m in (model, other)],
+    return {"units": [len(runtime_of(m).units) for m in (model, other)],
             "equal": sorted(k for k in saved if torch.equal(saved[k], loaded[k])), "keys": sorted(saved),
             "losses": [step(model, opt, batches[2]), step(other, other_opt, batches[2])]}
 
@@ -144,9 +172,11 @@ def _scenarios(root, world):
     if world != 2:
         return out  # (the parity rows at 3 ranks; the rest needs no uneven shards)
     out["untied checkpointed"] = lambda r, w: _train(r, w, _llama(), activation_checkpointing=True)
-    out["lora"] = lambda r, w: _train(r, w, _lora())
+    out["lora"] = lambda r, w: _train(r, w, _lora(), units="auto")
+    out["fused head, auto"] = lambda r, w: _train(r, w, _llama(), units="auto", fused=True)
+    out["fused head, auto+head"] = _fused_head_unit_refused
     out["tied"] = lambda r, w: _train(r, w, _llama(tie=True))
-    for saved, loaded in (("blocks", "auto"), ("auto", "blocks")):
+    for saved, loaded in (("blocks", "auto+head"), ("auto+head", "blocks")):
         out[f"checkpoint {saved} to {loaded}"] = (
             lambda r, w, saved=saved, loaded=loaded: _checkpoint_across_units(r, w, root, saved, loaded))
     return out
@@ -177,28 +207,32 @@ def reports_at_2(roots):
     return _report(2, roots[2])
 
 
-EDGES = [("model.embed_tokens", "embedding"), *[(f"model.layers.{i}", None) for i in range(LAYERS)],
-         ("lm_head", "head"), ("<root>", None)]
+LAYER_UNITS = [(f"model.layers.{i}", None) for i in range(LAYERS)]
+EDGES = [("model.embed_tokens", "embedding"), *LAYER_UNITS, ("lm_head", "head"), ("<root>", None)]
 
 
 def test_untied_embedding_and_head_are_units_of_their_own():
-    """The plan alone (no processes): the embedding first, the head after the layers, the final norm in the
-    root; only the layers are checkpointed, only the head and the root kept gathered after their forward."""
+    """The plan alone (no processes): "auto+head" puts the embedding first, the head after the layers and the
+    final norm in the root; only the layers are checkpointed, only the head and the root kept gathered after
+    their forward. "auto" leaves the head in the root."""
     from shardwise.engine.base.plan import build_plan
 
-    plan = build_plan(_llama(), "auto", 2)
+    plan = build_plan(_llama(), "auto+head", 2)
     assert [(u.label, u.edge) for u in plan.units] == EDGES
-    assert [u.label for u in plan.units if u.checkpointed] == [f"model.layers.{i}" for i in range(LAYERS)]
+    assert [u.label for u in plan.units if u.checkpointed] == [label for label, _ in LAYER_UNITS]
     assert [u.label for u in plan.units if u.kept_after_forward] == ["lm_head", "<root>"]
     assert [p.fqn for p in plan.root.params()] == ["model.norm.weight"]
+    auto = build_plan(_llama(), "auto", 2)
+    assert [(u.label, u.edge) for u in auto.units] == EDGES[:-2] + [("<root>", None)]
+    assert [p.fqn for p in auto.root.params()] == ["model.norm.weight", "lm_head.weight"]
 
 
-def test_tied_embedding_and_head_stay_in_the_root():
+@pytest.mark.parametrize("units", ["auto", "auto+head"])
+def test_tied_embedding_and_head_stay_in_the_root(units):
     from shardwise.engine.base.plan import build_plan
 
-    plan = build_plan(_llama(tie=True), "auto", 2)
-    assert [(u.label, u.edge) for u in plan.units] == [(f"model.layers.{i}", None) for i in range(LAYERS)] + [
-        ("<root>", None)]
+    plan = build_plan(_llama(tie=True), units, 2)
+    assert [(u.label, u.edge) for u in plan.units] == LAYER_UNITS + [("<root>", None)]
     assert plan.root.groups[0].params[0].refs[0].fqn == "model.embed_tokens.weight"
 
 
@@ -217,6 +251,7 @@ def test_untied_llama_trains_in_parity_with_the_embedding_resharded_after_its_lo
     for rank_report in reports:
         r = scenario(rank_report, f"untied {opt}")
         assert r["units"] == EDGES
+        assert r["said"] == f"{LAYERS} LlamaDecoderLayer + the embedding + the head + the root"  # (HF Trainer's line)
         # AdamW's first step moves an element whose gradient is rounding noise by a full lr: the last down_proj
         # ends 4e-5 off, with the units of before and with units=None alike (measured); the loss is immune
         assert_parity(r["metrics"], label=f"untied {opt}", param_rtol=1e-4 if opt == "adamw" else None)
@@ -238,7 +273,7 @@ def test_untied_llama_trains_in_parity_with_the_embedding_resharded_after_its_lo
 def test_activation_checkpointing_recomputes_the_layers_not_the_embedding_or_head(reports_at_2):
     for rank_report in reports_at_2:
         r = scenario(rank_report, "untied checkpointed")
-        assert r["recomputed"] == [f"model.layers.{i}" for i in range(LAYERS)]
+        assert r["recomputed"] == [label for label, _ in LAYER_UNITS]
         assert_parity(r["metrics"], label="checkpointed")
 
 
@@ -247,20 +282,29 @@ def test_lora_frozen_embedding_is_never_gathered_in_backward(reports_at_2):
     prefetch it (it would stay gathered, for nothing, to the end of backward)."""
     for rank_report in reports_at_2:
         r = scenario(rank_report, "lora")
-        assert [label for label, edge in r["units"] if edge] == ["base_model.model.model.embed_tokens",
-                                                                 "base_model.model.lm_head"]
+        assert [label for label, edge in r["units"] if edge] == ["base_model.model.model.embed_tokens"]
         assert_parity(r["metrics"], label="lora")
         assert [e for e, _ in r["seen"]["forward"] + r["seen"]["backward"]] == [0] * (2 * STEPS * LAYERS), r["seen"]
+
+
+def test_a_fused_loss_reading_the_heads_weight_trains_under_auto_and_is_refused_under_auto_plus_head(reports_at_2):
+    for rank_report in reports_at_2:
+        r = scenario(rank_report, "fused head, auto")
+        assert r["said"] == f"{LAYERS} LlamaDecoderLayer + the embedding + the root"
+        assert_parity(r["metrics"], label="fused head")
+        refused = scenario(rank_report, "fused head, auto+head")
+        assert refused.startswith("torch.Tensor.t (aten.t.default) on a piece of a sharded parameter"), refused
 
 
 def test_tied_llama_trains_in_parity_with_one_root(reports_at_2):
     for rank_report in reports_at_2:
         r = scenario(rank_report, "tied")
-        assert r["units"] == [(f"model.layers.{i}", None) for i in range(LAYERS)] + [("<root>", None)]
+        assert r["units"] == LAYER_UNITS + [("<root>", None)]
+        assert r["said"] == f"{LAYERS} LlamaDecoderLayer + the root"
         assert_parity(r["metrics"], label="tied")
 
 
-@pytest.mark.parametrize("saved,loaded", [("blocks", "auto"), ("auto", "blocks")])
+@pytest.mark.parametrize("saved,loaded", [("blocks", "auto+head"), ("auto+head", "blocks")])
 def test_checkpoints_load_across_the_old_and_new_units(reports_at_2, saved, loaded):
     for rank_report in reports_at_2:
         r = scenario(rank_report, f"checkpoint {saved} to {loaded}")

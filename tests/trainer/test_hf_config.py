@@ -1,5 +1,5 @@
 """--model PATH/config.json: Hugging Face causal LMs (Llama, GPT-2) from a config alone, random init, sharded
-with units="auto" (their own block class, and an untied embedding and head, as units); big ones built on meta
+with units="auto+head" (their own block class, and an untied embedding and head, as units); big ones built on meta
 and initialised shard by shard."""
 
 import json
@@ -32,15 +32,15 @@ def test_resolve_llama_and_gpt2(tmp_path):
     assert llama.kind == "hf" and llama.vocab_size == 320 and llama.n_layer == 2 and llama.max_seq_len == 128
     model = llama.build("meta")
     assert all(p.is_meta for p in model.parameters())
-    # the default is units="auto": the decoder layers, and Llama's untied embedding and head each a unit
-    assert llama.units(model, "transformer_based_wrap", []) == "auto"
-    assert [type(u.module).__name__ for u in build_plan(model, "auto", 2).units] == [
+    # the default is units="auto+head": the decoder layers, and Llama's untied embedding and head each a unit
+    assert llama.units(model, "transformer_based_wrap", []) == "auto+head"
+    assert [type(u.module).__name__ for u in build_plan(model, "auto+head", 2).units] == [
         "Embedding", "LlamaDecoderLayer", "LlamaDecoderLayer", "Linear", type(model).__name__]
     assert {c.__name__ for c in llama.units(model, "transformer_based_wrap", ["LlamaDecoderLayer"])} == {
         "LlamaDecoderLayer"}
     assert llama.units(model, "no_wrap", []) is None
     gpt2 = resolve_model(write(tmp_path, "gpt2.json", GPT2))
-    assert gpt2.units(gpt2.build("meta"), "transformer_based_wrap", []) == "auto"
+    assert gpt2.units(gpt2.build("meta"), "transformer_based_wrap", []) == "auto+head"
     assert resolve_model("gpt-tiny").units(None, "transformer_based_wrap", []) == {Block}
     with pytest.raises(ModelError, match="NotALayer not in"):
         gpt2.units(gpt2.build("meta"), "transformer_based_wrap", ["NotALayer"])

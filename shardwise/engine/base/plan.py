@@ -29,6 +29,7 @@ from shardwise.errors import ShardwiseError
 UnitsSpec = Union[str, Callable[[nn.Module], bool], Iterable[type]]
 
 EMBEDDING, HEAD = "embedding", "head"  # UnitPlan.edge
+AUTO, AUTO_WITH_HEAD = "auto", "auto+head"  # the units= strings (edge_unit_modules says what each adds)
 
 
 @dataclass(eq=False)
@@ -99,8 +100,8 @@ class UnitPlan:
     fqn: str  # "" for the root unit
     module: nn.Module
     groups: list[FlatGroupPlan] = field(default_factory=list)
-    # EMBEDDING / HEAD: the model's input embedding or output head, made a unit of its own by units="auto"
-    # (``edge_unit_modules``); None: a block, or the root.
+    # EMBEDDING / HEAD: the model's input embedding or output head, made a unit of its own by units="auto" /
+    # "auto+head" (``edge_unit_modules``); None: a block, or the root.
     edge: Optional[str] = None
 
     @property
@@ -159,10 +160,11 @@ def _unit_modules(model: nn.Module, units: Optional[UnitsSpec]) -> list[tuple[st
         return []
     edges: dict[int, str] = {}
     if isinstance(units, str):
-        if units != "auto":
-            raise ShardwiseError(f"units={units!r}: give a set of module classes, a callable, or 'auto'")
+        if units not in (AUTO, AUTO_WITH_HEAD):
+            raise ShardwiseError(f"units={units!r}: give a set of module classes, a callable, {AUTO!r} or "
+                                 f"{AUTO_WITH_HEAD!r}")
         blocks = _auto_unit_predicate(model)
-        edges = edge_unit_modules(model, blocks)
+        edges = edge_unit_modules(model, blocks, with_head=units == AUTO_WITH_HEAD)
         predicate = lambda m: blocks(m) or id(m) in edges  # noqa: E731
     elif callable(units) and not isinstance(units, type):
         predicate = units
@@ -186,7 +188,7 @@ def _unit_modules(model: nn.Module, units: Optional[UnitsSpec]) -> list[tuple[st
 
 def no_split_classes(model: nn.Module) -> set[type]:
     """The block classes a Hugging Face model names in ``_no_split_modules`` (empty for other models): the
-    one reading of that attribute, for ``units="auto"`` (which the trainer's default units are)."""
+    one reading of that attribute, for ``units="auto"`` and ``"auto+head"`` (the trainer's default)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     return {type(m) for m in model.modules() if type(m).__name__ in names} if names else set()
 
@@ -209,19 +211,26 @@ def _auto_unit_predicate(model: nn.Module) -> Callable[[nn.Module], bool]:
     return lambda m: id(m) in children
 
 
-def edge_unit_modules(model: nn.Module, in_block: Callable[[nn.Module], bool]) -> dict[int, str]:
-    """id(module) -> EMBEDDING or HEAD: a Hugging Face model's input embedding and output head
-    (``get_input_embeddings``, ``get_output_embeddings``), each a unit of its own under units="auto", as
-    torchtitan shards ``tok_embeddings`` and ``output`` apart from the layers. Inside the root they would stay
-    gathered from the model's first entry to the head's backward; as units the embedding is resharded right
-    after its lookup and the head gathered from its matmul to its backward. (torchtitan groups the final norm
-    with the output; here a unit is one module, and the norm, a vector, stays in the root.)
+def edge_unit_modules(model: nn.Module, in_block: Callable[[nn.Module], bool], with_head: bool) -> dict[int, str]:
+    """id(module) -> EMBEDDING or HEAD: a Hugging Face model's input embedding (``get_input_embeddings``) as a
+    unit of its own under units="auto", and its output head (``get_output_embeddings``) too under
+    "auto+head", as torchtitan shards ``tok_embeddings`` and ``output`` apart from the layers. In the root they
+    would stay gathered from the model's first entry to the head's backward; as units the embedding is
+    resharded right after its lookup and the head gathered from its matmul (prefetched by the last block) to
+    its backward. (torchtitan groups the final norm with the output; here a unit is one module, and the norm,
+    a vector, stays in the root.)
+
+    The head only when asked: fused losses read ``lm_head.weight`` inside the model's forward without calling
+    the head (TRL's SFTTrainer by default, Liger's fused linear cross-entropy); in the root it is gathered
+    there, as a unit of its own it would be a shard. ``shardwise train`` computes its loss from the logits, so
+    its default is "auto+head".
 
     Only a module registered in one place, outside every block (``in_block``), whose parameters nothing else
     holds: tied embeddings (GPT-2's ``wte`` is its ``lm_head``) stay in the root, one unit used at both ends
     of the forward, as before."""
+    getters = ((EMBEDDING, "get_input_embeddings"), (HEAD, "get_output_embeddings"))
     found = {}
-    for kind, getter in ((EMBEDDING, "get_input_embeddings"), (HEAD, "get_output_embeddings")):
+    for kind, getter in getters if with_head else getters[:1]:
         get = getattr(model, getter, None)
         try:
             module = get() if callable(get) else None
