@@ -76,7 +76,8 @@ def shard(
             process group moves CUDA tensors over NCCL, else CPU (``shardwise.engine.base.device.compute_device``).
         prefetch: start the next unit's all-gather before the current one computes.
         activation_checkpointing: recompute each block unit's activations in backward instead of keeping
-            them (not the root's, nor those of the embedding and head units ``"auto"`` makes).
+            them (not the root's, nor those of the embedding and head units ``"auto"`` and ``"auto+head"``
+            make).
         broadcast_buffers: before every forward, give every rank rank 0's buffers (BatchNorm running
             statistics, ...), as DDP does by default, so that ranks evaluate alike and checkpoints hold what
             every rank used. ``False`` keeps each rank's own buffers.

@@ -178,7 +178,7 @@ def _unit_modules(model: nn.Module, units: Optional[UnitsSpec]) -> list[tuple[st
         if missing:
             raise ShardwiseError(
                 f"unit class(es) {', '.join(missing)} do not occur in {type(model).__name__}; "
-                f"module classes present: {', '.join(sorted(c.__name__ for c in present))}"
+                f"module classes present: {', '.join(sorted({c.__name__ for c in present}))}"
             )
         predicate = lambda m: type(m) in classes  # noqa: E731
     # (units="auto" on a model without repeated blocks, a CNN or an MLP, finds none: one unit, as units=None;
