@@ -698,7 +698,8 @@ def _table(rank: int, ws: int, strategies: tuple, table: str) -> dict:
 
 @spawn_once
 def _report(ws: int, strategies: tuple, table: str) -> list:
-    return run_distributed(_table, ws, strategies, table, timeout_s=30)
+    # (the whole ws3 table under five strategies takes ~2 minutes on 2 idle cores: a generous hang guard)
+    return run_distributed(_table, ws, strategies, table, timeout_s=30 if ws == 2 else 90)
 
 
 def _check(results: list, row: Row, strategy: str) -> None:
