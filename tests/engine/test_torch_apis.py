@@ -163,22 +163,31 @@ def optimizer_row(cls, **kw):
     return train(make_opt=lambda ps: cls(ps, **kw))
 
 
+def _one_adamw_step(ctx: Ctx, batches) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(ctx.params(), lr=1e-2)
+    ctx.loss(batches[0]).backward()
+    opt.step()
+    opt.zero_grad()
+    return opt
+
+
+def _train_on_loaded(ctx: Ctx, batches, state_dict: dict) -> None:
+    """A fresh AdamW loads ``state_dict`` and trains the remaining batches."""
+    fresh = torch.optim.AdamW(ctx.params(), lr=1e-2)
+    fresh.load_state_dict(state_dict)
+    for batch in batches[1:]:
+        ctx.loss(batch).backward()
+        fresh.step()
+        fresh.zero_grad()
+
+
 def save_load(rank0_only: bool, other_plan: bool = False, in_memory: bool = False):
     """Train a step, save the optimizer state as a DDP user would, load it into a fresh optimizer, train on."""
 
     def run(ctx: Ctx, batches):
-        opt = torch.optim.AdamW(ctx.params(), lr=1e-2)
-        ctx.loss(batches[0]).backward()
-        opt.step()
-        opt.zero_grad()
+        opt = _one_adamw_step(ctx, batches)
         if in_memory:
-            fresh = torch.optim.AdamW(ctx.params(), lr=1e-2)
-            fresh.load_state_dict(opt.state_dict())
-            del opt
-            for batch in batches[1:]:
-                ctx.loss(batch).backward()
-                fresh.step()
-                fresh.zero_grad()
+            _train_on_loaded(ctx, batches, opt.state_dict())
             return
         buf = io.BytesIO()
         torch.save(opt.state_dict(), buf)
@@ -190,22 +199,14 @@ def save_load(rank0_only: bool, other_plan: bool = False, in_memory: bool = Fals
             ctx.model = _gpt(**ctx.config)
             ctx.model.load_state_dict(_broadcast_object(state))
             shardwise.shard(ctx.model, units={Block}, strategy="hybrid_shard", mesh=_mesh(ctx.ws))
-        fresh = torch.optim.AdamW(ctx.params(), lr=1e-2)
-        fresh.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
-        for batch in batches[1:]:
-            ctx.loss(batch).backward()
-            fresh.step()
-            fresh.zero_grad()
+        _train_on_loaded(ctx, batches, torch.load(io.BytesIO(blob), weights_only=True))
     return run
 
 
 def save_on_rank0_alone(ctx: Ctx, batches):
     """The DDP habit ``if rank == 0: torch.save(opt.state_dict(), f)``: the whole state is gathered as it is
     pickled, so every rank must save (refused by name on every rank, before the next step)."""
-    opt = torch.optim.AdamW(ctx.params(), lr=1e-2)
-    ctx.loss(batches[0]).backward()
-    opt.step()
-    opt.zero_grad()
+    opt = _one_adamw_step(ctx, batches)
     if ctx.rank == 0:
         torch.save(opt.state_dict(), io.BytesIO())
     ctx.loss(batches[1]).backward()
@@ -218,23 +219,14 @@ def load_another_ranks_stamped_state(ctx: Ctx, batches):
     from shardwise.engine.surface.optimizer_guard import STAMP_KEY, stamp_of
     from shardwise.engine.surface.pieces import local_of
 
-    opt = torch.optim.AdamW(ctx.params(), lr=1e-2)
-    ctx.loss(batches[0]).backward()
-    opt.step()
-    opt.zero_grad()
-    sd = opt.state_dict()
+    sd = _one_adamw_step(ctx, batches).state_dict()
     params = ctx.params()
     sd["state"] = {k: {**{n: local_of(v).clone() for n, v in e.items()}, STAMP_KEY: stamp_of(params[k])}
                    for k, e in sd["state"].items()}
     blob = io.BytesIO()
     torch.save(sd, blob)
     theirs = _broadcast_object(blob.getvalue()) if ctx.sharded else blob.getvalue()  # rank 0's, loaded everywhere
-    fresh = torch.optim.AdamW(ctx.params(), lr=1e-2)
-    fresh.load_state_dict(torch.load(io.BytesIO(theirs), weights_only=True))
-    for batch in batches[1:]:
-        ctx.loss(batch).backward()
-        fresh.step()
-        fresh.zero_grad()
+    _train_on_loaded(ctx, batches, torch.load(io.BytesIO(theirs), weights_only=True))
 
 
 def _broadcast_object(obj):
@@ -698,7 +690,8 @@ def _table(rank: int, ws: int, strategies: tuple, table: str) -> dict:
 
 @spawn_once
 def _report(ws: int, strategies: tuple, table: str) -> list:
-    return run_distributed(_table, ws, strategies, table, timeout_s=30)
+    # (the whole ws3 table under five strategies takes ~2 minutes on 2 idle cores: a generous hang guard)
+    return run_distributed(_table, ws, strategies, table, timeout_s=30 if ws == 2 else 90)
 
 
 def _check(results: list, row: Row, strategy: str) -> None:

@@ -202,7 +202,11 @@ def hf_gpt2(rank: int) -> nn.Module:
 def train_adamw(model: nn.Module, side: Side, units=None, lr: float = 1e-2, **ddp_kwargs) -> dict:
     """The plain loop: wrap, AdamW with weight decay, forward, backward, step, zero_grad."""
     model = side.wrap(model, units=units, **ddp_kwargs)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    return train_loop(model, side, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1))
+
+
+def train_loop(model: nn.Module, side: Side, opt: torch.optim.Optimizer) -> dict:
+    """Forward, backward, step, zero_grad over the row's batches; the losses and the whole weights."""
     losses = []
     for x, y in side.batches():
         _, loss = model(x, y)
@@ -403,15 +407,7 @@ def optimizer_state_loaded_before_wrapping(model, side):
     first.step()
     opt = torch.optim.AdamW(decay_groups(list(model.parameters())), lr=1e-2)
     opt.load_state_dict(first.state_dict())
-    model = side.wrap(model, units={Block})
-    losses = []
-    for x, y in side.batches():
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(mean_over_ranks(loss))
-    return dict(losses=losses, weights=side.whole(model))
+    return train_loop(side.wrap(model, units={Block}), side, opt)
 
 
 def _file_loaded(path: str) -> dict:
