@@ -11,8 +11,8 @@ step, and the bytes each rank receives through weight all-gathers per step.
 CPU (default): both runs load the same bf16 Hugging Face directory (written once into --workdir: a random
 Llama of the given shape), build the model on meta, wrap every projection with LoRA r=16, shard with the units
 ``shardwise train`` gives it in that checkout (``trainer_units``), bf16 mixed precision and activation
-checkpointing, and train with AdamW on random tokens. The QLoRA run quantises
-the base on load (each rank only its bytes). One process per rank (gloo, one thread each, as in
+checkpointing, and train with AdamW on random tokens. The QLoRA run quantises the base on load (each rank only
+its bytes). One process per rank (gloo, one thread each, as in
 compare_cpu.py). Runs alternate (for each repeat: every checkout, every mode), each in fresh processes.
 
 CUDA (``--device cuda``, world size 1, NCCL): the model is built on the CPU with random bf16 weights (the
@@ -22,9 +22,9 @@ QLoRA run quantises them there), then sharded onto the GPU; peak memory is ``tor
 Memory on CPU: per rank, the peak RSS (VmHWM) of each phase of a timed step -- forward, backward, optimizer
 step, reset between them through /proc/self/clear_refs -- less the RSS once the model is built on meta (so the
 libraries it imports, ~0.2 GB, are not counted and neither is the load's own peak), against ``estimate-memory
---device cpu`` for the same configuration (the measured checkout's planner). The planner counts live bytes; run with
-``MALLOC_MMAP_THRESHOLD_=65536`` to make RSS track them (glibc then returns every freed block of 64 KiB or
-more at once), without it RSS also holds what glibc keeps of freed blocks.
+--device cpu`` for the same configuration (the measured checkout's planner). The planner counts live bytes;
+run with ``MALLOC_MMAP_THRESHOLD_=65536`` to make RSS track them (glibc then returns every freed block of 64
+KiB or more at once), without it RSS also holds what glibc keeps of freed blocks.
 
 Dequantisations: calls of ``Layout4bit.dequantize`` during the timed steps (counted by wrapping it, so any
 checkout is measured alike) per 4-bit matrix per step.

@@ -516,16 +516,17 @@ def hf_report_slow() -> dict:
 
 # ---- tests: Hugging Face, world size 2 -------------------------------------------------------------------
 @pytest.mark.parametrize("name,units", [
-    ("qwen2", ["Qwen2DecoderLayer"]),
-    ("gpt2", ["GPT2Block"]),
-    ("llama_adamw", ["LlamaDecoderLayer"]),
+    ("qwen2", ["Embedding", "Qwen2DecoderLayer"]),  # untied: the embedding a unit of its own
+    ("gpt2", ["GPT2Block"]),  # tied (as BERT's, T5's): it stays in the root
+    ("llama_adamw", ["Embedding", "LlamaDecoderLayer"]),
     ("t5", ["T5Block"]),
     ("bert", ["BertEmbeddings", "BertLayer"]),
     ("vit", ["ViTEmbeddings", "ViTLayer"]),
 ])
 def test_family_trains_in_parity(name, units):
     """Llama-family decoder, GPT-2 (tied head; AdamW), T5 encoder-decoder, BERT masked LM (tied head, -100
-    labels), ViT: units='auto' picks the blocks named in _no_split_modules; losses and parameters = reference."""
+    labels), ViT: units='auto' picks the blocks named in _no_split_modules, and an untied input embedding;
+    losses and parameters = reference."""
     r = scenario(hf_report(), name)
     assert r["unit_classes"] == units
     assert_parity(r["metrics"], label=name)
@@ -536,7 +537,7 @@ def test_moe_trains_in_parity_with_experts_idle_on_some_ranks(name, unit):
     """Mixtral (grouped-mm experts) and Qwen2-MoE (eager loop, shared expert): the router leaves some experts
     without tokens on one rank while the other rank uses them; the global-batch reference is still exact."""
     r = scenario(hf_report(), name)
-    assert r["unit_classes"] == [unit]
+    assert r["unit_classes"] == ["Embedding", unit]
     assert r["idle_here_busy_there"] > 0, f"routing did not leave an expert idle on one rank only: {r['counts']}"
     assert_parity(r["metrics"], label=name)
 
@@ -547,7 +548,7 @@ def test_peft_lora_trains_adapters_and_leaves_base_frozen():
     parameters get no .grad and live in their own flat groups."""
     r = scenario(hf_report(), "lora")
     assert_parity(r["metrics"], label="lora")
-    assert r["unit_classes"] == ["LlamaDecoderLayer"]
+    assert r["unit_classes"] == ["Embedding", "LlamaDecoderLayer"]
     assert r["n_lora"] == 12 and r["adapters_moved"], r
     assert r["frozen_same"], "a frozen base weight changed"
     assert r["grads_ok"], "a frozen parameter got a .grad, or a trainable one none"
@@ -640,7 +641,7 @@ def test_generate_with_ranks_meeting_eos_at_different_steps(report):
 # ---- tests: Hugging Face, world size 3 -------------------------------------------------------------------
 def test_qwen3_moe_world_size_3():
     r = scenario(hf_report_ws3(), "qwen3_moe")
-    assert r["unit_classes"] == ["Qwen3MoeDecoderLayer"]
+    assert r["unit_classes"] == ["Embedding", "Qwen3MoeDecoderLayer"]
     assert r["idle_here_busy_there"] > 0, r["counts"]
     assert_parity(r["metrics"], label="qwen3_moe ws3")
 

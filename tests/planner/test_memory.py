@@ -100,8 +100,8 @@ def test_end_of_backward_holds_the_last_blocks_or_the_roots_reduction_not_the_ro
 
 
 def test_an_untied_embedding_and_head_are_gathered_beside_a_block_never_together(tmp_path):
-    """units="auto" makes a Hugging Face model's untied embedding and head units of their own (engine/base/
-    plan.py): the engine gathers each beside the block next to it in forward order (the head prefetched by
+    """The trainer's units ("auto+head") make a Hugging Face model's untied embedding and head units of their
+    own (engine/base/plan.py): the engine gathers each beside the block next to it in forward order (the head prefetched by
     the last block, the first block by the embedding), never the two together, and the root keeps only the
     final norm. The plan counts the pair the engine holds, not the two largest units."""
     pytest.importorskip("transformers")

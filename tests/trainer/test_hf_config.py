@@ -1,6 +1,6 @@
 """--model PATH/config.json: Hugging Face causal LMs (Llama, GPT-2) from a config alone, random init, sharded
-with units="auto+head" (their own block class, and an untied embedding and head, as units); big ones built on meta
-and initialised shard by shard."""
+with units="auto+head" (their own block class, and an untied embedding and head, as units); big ones built on
+meta and initialised shard by shard."""
 
 import json
 import math
