@@ -205,12 +205,15 @@ def train_adamw(model: nn.Module, side: Side, units=None, lr: float = 1e-2, **dd
     return train_loop(model, side, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1))
 
 
-def train_loop(model: nn.Module, side: Side, opt: torch.optim.Optimizer) -> dict:
-    """Forward, backward, step, zero_grad over the row's batches; the losses and the whole weights."""
+def train_loop(model: nn.Module, side: Side, opt: torch.optim.Optimizer, clip: bool = False) -> dict:
+    """Forward, backward (``clip``: clip_grad_norm_ to 1), step, zero_grad over the row's batches; the
+    losses and the whole weights."""
     losses = []
     for x, y in side.batches():
         _, loss = model(x, y)
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(mean_over_ranks(loss))
@@ -377,35 +380,26 @@ def decay_groups(select_decay: Callable[[str, torch.Tensor], bool]):
 def optimizer_built_before_wrapping(model, side):
     """nanoGPT's order: ``configure_optimizers`` (decay groups by ``p.dim() >= 2``, from the whole parameters)
     first, then the wrapper, then AdamW steps, with clipping on the wrapped model's parameters."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=1e-2)
-    model = side.wrap(model, units={Block})
-    losses = []
-    for x, y in side.batches():
-        _, loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(mean_over_ranks(loss))
-    return dict(losses=losses, weights=side.whole(model))
+    opt = torch.optim.AdamW(nanogpt_groups(model.parameters()), lr=1e-2)
+    return train_loop(side.wrap(model, units={Block}), side, opt, clip=True)
+
+
+def nanogpt_groups(params) -> list[dict]:
+    """nanoGPT's ``configure_optimizers``: weight decay for the matrices (``p.dim() >= 2``) only."""
+    params = [p for p in params if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
 def optimizer_state_loaded_before_wrapping(model, side):
     """nanoGPT's resume: ``configure_optimizers``, then ``optimizer.load_state_dict(checkpoint["optimizer"])``
     (whole tensors, saved by a one-process run), then the wrapper, then training."""
-
-    def decay_groups(params):
-        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-
     earlier = copy.deepcopy(model)  # the run that wrote the checkpoint: one step on a batch of its own
-    first = torch.optim.AdamW(decay_groups(list(earlier.parameters())), lr=1e-2)
+    first = torch.optim.AdamW(nanogpt_groups(earlier.parameters()), lr=1e-2)
     x = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(7))
     earlier(x, x)[1].backward()
     first.step()
-    opt = torch.optim.AdamW(decay_groups(list(model.parameters())), lr=1e-2)
+    opt = torch.optim.AdamW(nanogpt_groups(model.parameters()), lr=1e-2)
     opt.load_state_dict(first.state_dict())
     return train_loop(side.wrap(model, units={Block}), side, opt)
 
