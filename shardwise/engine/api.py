@@ -107,11 +107,14 @@ def shard(
     world = dist.group.WORLD if dist.get_world_size() > 1 else None
     shard_group, replicate_group, world_group = devices.own_groups([pgs.shard, pgs.replicate, world])
     pgs = dataclasses.replace(pgs, shard=shard_group, replicate=replicate_group, world=world_group)
-    if units in (AUTO, AUTO_WITH_HEAD) and len(plan.units) == 1 and dist.get_rank() == 0:
+    # (Blocks, not units: an untied embedding or head is a unit of its own without any block around it.)
+    if units in (AUTO, AUTO_WITH_HEAD) and not any(u.checkpointed for u in plan.units) and dist.get_rank() == 0:
+        edges = " and ".join(f"its {u.edge}" for u in plan.units if u.edge is not None)
         warnings.warn(f"shardwise.shard(units={units!r}): {type(model).__name__} has no repeated blocks (no Hugging Face "
-                      f"_no_split_modules, no nn.ModuleList), so the whole model is one unit, gathered whole for "
-                      f"its forward and backward; pass units={{SomeBlock, ...}} (module classes) to shard it finer, "
-                      f"or units=None to say one unit is meant", UserWarning, stacklevel=2)
+                      f"_no_split_modules, no nn.ModuleList), so the whole model{f' but {edges}' if edges else ''} "
+                      f"is one unit, gathered whole for its forward and backward; pass units={{SomeBlock, ...}} "
+                      f"(module classes) to shard it finer, or units=None to say one unit is meant", UserWarning,
+                      stacklevel=2)
     state_dict_keys = list(model.state_dict(keep_vars=True).keys())
     transfers = OffloadTransfers(compute_device, offload) if offload is not None else None
     runtime = ModelRuntime(strategy, pgs, mp, prefetch, plan=plan, state_dict_keys=state_dict_keys,

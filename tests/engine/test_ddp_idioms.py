@@ -110,17 +110,32 @@ class MLP(nn.Module):
         return self.fc2(F.relu(self.fc1(x)))
 
 
+class EmbeddedMLP(MLP):
+    """An MLP behind an (untied) input embedding that it names as Hugging Face models do: units="auto" makes
+    the embedding a unit, and still no block."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(13, 6)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, ids):
+        return super().forward(self.embed(ids))
+
+
 def _auto_units_without_blocks(rank, ws):
+    from shardwise.engine.core.runtime import runtime_of
+
     out = {}
-    for units in ("auto", None):
+    for name, build, units in (("auto", MLP, "auto"), ("None", MLP, None), ("embedded", EmbeddedMLP, "auto")):
         torch.manual_seed(0)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model = shardwise.shard(MLP(), units=units)
-        from shardwise.engine.core.runtime import runtime_of
-
-        out[str(units)] = dict(units=len(runtime_of(model).units),
-                               said=[str(w.message) for w in caught if "units='auto'" in str(w.message)])
+            model = shardwise.shard(build(), units=units)
+        out[name] = dict(units=len(runtime_of(model).units),
+                         said=[str(w.message) for w in caught if "units='auto'" in str(w.message)])
     return out
 
 
@@ -164,12 +179,16 @@ def test_model_module_is_a_named_error_that_hasattr_reads_as_absent():
 
 
 def test_units_auto_without_repeated_blocks_makes_one_unit_and_says_so():
+    """Also when an untied input embedding is a unit of its own: the warning counts blocks, not units."""
     for rank, res in enumerate(report()):
         r = scenario(res, "auto_units")
         assert r["auto"]["units"] == r["None"]["units"] == 1
         assert r["None"]["said"] == []
+        assert r["embedded"]["units"] == 2  # the embedding and the root
         if rank == 0:
             (said,) = r["auto"]["said"]
             assert "MLP has no repeated blocks" in said and "one unit" in said, said
+            (said,) = r["embedded"]["said"]
+            assert "EmbeddedMLP has no repeated blocks" in said and "but its embedding is one unit" in said, said
         else:
-            assert r["auto"]["said"] == []
+            assert r["auto"]["said"] == [] and r["embedded"]["said"] == []
