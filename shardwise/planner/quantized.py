@@ -16,11 +16,12 @@ from shardwise.quant.experts import QUANT_MODULE_TYPES
 from shardwise.quant.format import dequant_chunk
 
 
-def dequant_chunk_bytes(device_type: str) -> int:
-    """``Layout4bit.dequantize``'s temporaries for one group of elements: an int32 index per packed byte (two
-    elements) and both elements' fp32 values, beside the dequantised matrix itself."""
-    chunk = dequant_chunk(device_type)
-    return (chunk // 2) * 4 + chunk * 4
+def dequant_chunk_bytes(device_type: str, largest_numel: int) -> int:
+    """``Layout4bit.dequantize``'s temporaries for its largest group of elements (a whole matrix when it is
+    smaller than a group): an int32 index and an int64 pair of fp32 values per packed byte (two elements),
+    beside the dequantised matrix itself."""
+    packed_bytes = -(-min(dequant_chunk(device_type), largest_numel) // 2)
+    return packed_bytes * (4 + 8)
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ def quantised_figures(model: nn.Module, plan: ShardingPlan, compute_itemsize: in
     largest = max((m.layout.numel for m in quantised), default=0)  # experts dequantise one expert's matrix at a time
     uncounted = sum(m.layout.numel * getattr(m, "num_experts", 1)
                     - sum(p.numel() for n, p in m.named_parameters() if n != "bias") for m in quantised)
-    temporaries = dequant_chunk_bytes(device_type) if largest else 0
+    temporaries = dequant_chunk_bytes(device_type, largest)
     recomputed = []
     for unit in (u for u in plan.units if u.checkpointed):
         owned = {id(r.module): r.module for p in unit.params() for r in p.refs

@@ -37,7 +37,7 @@ def test_seed_job_fits_four_24gb_gpus_with_a_4bit_base_and_not_with_bf16():
     assert nf4.dequantised_weight_bytes >= 28672 * 8192 * 2  # the MLP's largest matrix in bf16
     # under activation checkpointing a decoder layer's recompute keeps its 7 dequantised matrices for its backward
     layer = 2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 28672 * 8192
-    assert nf4.recomputed_weight_bytes == layer * 2 + dequant_chunk_bytes("cuda")
+    assert nf4.recomputed_weight_bytes == layer * 2 + dequant_chunk_bytes("cuda", 28672 * 8192)
     assert plan_memory(replace(SEED_JOB, load_in_4bit=True, activation_checkpointing=False),
                        _cache=cache).recomputed_weight_bytes == 0
     assert nf4.trainable_params == bf16.trainable_params

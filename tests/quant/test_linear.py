@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from bnb_oracle import bnb_quantize, require_bnb
 from test_format import CASES
 from shardwise.quant.experts import dequantization_counts, reset_dequantization_counts
-from shardwise.quant.format import Layout4bit, quantize_4bit
+from shardwise.quant.format import Layout4bit, byte_pairs, dequantize_blocks, quantize_4bit
 from shardwise.quant.linear import QuantLinear, quantize_linears
 
 
@@ -129,6 +129,24 @@ def test_dequantisation_in_block_groups_equals_the_whole_tensor_reference(case, 
             for dtype in (torch.bfloat16, torch.float32):
                 got = layout.dequantize(stored, dtype, chunk=chunk)
                 assert torch.equal(got, q.dequantize(dtype)), (case, chunk, quant_type, double_quant, dtype)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rounding_inside_the_multiply_gives_the_bits_of_rounding_afterwards(case):
+    """Accelerators let the block multiply write the weight's dtype (one pass fewer); a CPU multiplies in fp32
+    and converts. Both give the same bits, checked here on the CPU kernels of both ways."""
+    torch.manual_seed(4)
+    w = CASES[case]()
+    q = quantize_4bit(w, "nf4", True)
+    layout = Layout4bit(tuple(w.shape), w.dtype, "nf4", True)
+    stored = layout.to_bytes(q)
+    absmax = layout.absmax_fp32(stored["absmax"], stored["nested_absmax"], stored["offset"])
+    pairs = byte_pairs("nf4", torch.device("cpu"))
+    fp32 = dequantize_blocks(stored["weight"], absmax, pairs, layout.numel)
+    for dtype in (torch.bfloat16, torch.float16):
+        rounded = torch.empty(layout.numel, dtype=dtype)
+        dequantize_blocks(stored["weight"], absmax, pairs, layout.numel, out=rounded)
+        assert torch.equal(rounded.view(torch.int16), fp32.to(dtype).view(torch.int16)), (case, dtype)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
