@@ -234,8 +234,9 @@ def _scale_blocks(values: torch.Tensor, scales: torch.Tensor, blocksize: int,
     out = values if out is None else out
     n = values.numel()
     full = n - n % blocksize
-    torch.mul(values[:full].view(-1, blocksize), scales[: full // blocksize].view(-1, 1),
-              out=out[:full].view(-1, blocksize))
+    if full:
+        torch.mul(values[:full].view(-1, blocksize), scales[: full // blocksize].view(-1, 1),
+                  out=out[:full].view(-1, blocksize))
     if full < n:
         torch.mul(values[full:], scales[full // blocksize], out=out[full:])
     return out
@@ -322,11 +323,16 @@ class Layout4bit:
         n, blocksize = self.numel, self.blocksize
         chunk = chunk or dequant_chunk(weight.device.type)
         step = max(blocksize, chunk - chunk % blocksize)  # whole blocks, so every group starts on a byte
-        nbytes = -(-min(step, n) // 2)
+        round_in_multiply = weight.device.type != "cpu"
+        if n <= step:  # one group: no buffers to reuse (a few host operations fewer per matrix)
+            if not round_in_multiply:
+                return dequantize_blocks(weight, absmax, pairs, n, blocksize).to(dtype).view(self.shape)
+            out = torch.empty(n, dtype=dtype, device=weight.device)
+            return dequantize_blocks(weight, absmax, pairs, n, blocksize, out=out).view(self.shape)
+        nbytes = -(-step // 2)
         index = torch.empty(nbytes, dtype=torch.int32, device=weight.device)
         values = torch.empty(nbytes, dtype=torch.int64, device=weight.device)
         out = torch.empty(n, dtype=dtype, device=weight.device)
-        round_in_multiply = weight.device.type != "cpu"
         for lo in range(0, n, step):
             hi = min(lo + step, n)
             group = (weight[lo // 2: -(-hi // 2)], absmax[lo // blocksize:], pairs, hi - lo, blocksize, index, values)
@@ -338,8 +344,11 @@ class Layout4bit:
 
 
 def _fp32(stored: torch.Tensor) -> torch.Tensor:
-    """fp32 values from stored bytes. A copy: a parameter's bytes inside a gathered flat buffer can start at
-    any byte offset, and a float view needs 4-byte alignment (the scales are 1/64 of the weight or less)."""
+    """fp32 values from stored bytes: a view where they start 4-byte aligned, else a copy (a parameter's bytes
+    inside a gathered flat buffer can start at any byte offset; the scales are 1/64 of the weight or less).
+    Read at once by the dequantisation, never kept."""
+    if stored.storage_offset() % 4 == 0 and stored.is_contiguous():
+        return stored.view(torch.float32)
     return stored.clone().view(torch.float32)
 
 
