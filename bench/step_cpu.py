@@ -51,7 +51,8 @@ def worker(args) -> None:
         import shardwise
 
         assert Path(shardwise.__file__).resolve().is_relative_to(Path(args.repo).resolve()), shardwise.__file__
-        shardwise.shard(model, units={Block})
+        # "shardwise-one-unit": the whole model one unit (units=None), one gather and one reduction a step
+        shardwise.shard(model, units=None if impl == "shardwise-one-unit" else {Block})
     elif impl == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     elif impl == "floor":

@@ -128,6 +128,15 @@ def _lora(seed: int = 0):
     return model
 
 
+def _lora_inputs_require_grad():
+    """As peft's ``prepare_model_for_kbit_training`` and transformers' ``gradient_checkpointing_enable`` leave
+    a LoRA model before it is wrapped: a forward hook on the input embedding makes its output a leaf that
+    requires grad (so reentrant checkpointing sees an input that needs one)."""
+    model = _lora()
+    model.enable_input_require_grads()
+    return model
+
+
 def _checkpoint_across_units(rank, world, root, saved_units, loaded_units) -> dict:
     """Train 2 steps under ``saved_units``, save; load into a model of ``loaded_units`` built from another
     seed; both go on for a step. The parameters loaded and the losses after it must be the same."""
@@ -173,6 +182,7 @@ def _scenarios(root, world):
         return out  # (the parity rows at 3 ranks; the rest needs no uneven shards)
     out["untied checkpointed"] = lambda r, w: _train(r, w, _llama(), activation_checkpointing=True)
     out["lora"] = lambda r, w: _train(r, w, _lora(), units="auto")
+    out["lora, input embeddings require grad"] = lambda r, w: _train(r, w, _lora_inputs_require_grad(), units="auto")
     out["fused head, auto"] = lambda r, w: _train(r, w, _llama(), units="auto", fused=True)
     out["fused head, auto+head"] = _fused_head_unit_refused
     out["tied"] = lambda r, w: _train(r, w, _llama(tie=True))
@@ -284,6 +294,16 @@ def test_lora_frozen_embedding_is_never_gathered_in_backward(reports_at_2):
         r = scenario(rank_report, "lora")
         assert [label for label, edge in r["units"] if edge] == ["base_model.model.model.embed_tokens"]
         assert_parity(r["metrics"], label="lora")
+        assert [e for e, _ in r["seen"]["forward"] + r["seen"]["backward"]] == [0] * (2 * STEPS * LAYERS), r["seen"]
+
+
+def test_an_embedding_output_made_a_leaf_that_requires_grad_is_not_gathered_in_backward(reports_at_2):
+    """peft's ``enable_input_require_grads`` hook (registered before ``shard()``, so it runs before the unit's
+    exit) makes the frozen embedding's output a graph leaf that requires grad: the gradient stops there,
+    nothing in backward reads the embedding, so backward neither prefetches nor gathers it."""
+    for rank_report in reports_at_2:
+        r = scenario(rank_report, "lora, input embeddings require grad")
+        assert_parity(r["metrics"], label="lora, input embeddings require grad")
         assert [e for e, _ in r["seen"]["forward"] + r["seen"]["backward"]] == [0] * (2 * STEPS * LAYERS), r["seen"]
 
 

@@ -378,10 +378,13 @@ class Unit:
         return None
 
     def _hook_outputs(self, output) -> bool:
-        """Register the pre-backward hook on every output tensor that needs a gradient; False if none."""
+        """Register the pre-backward hook on every output tensor whose gradient flows back into the unit;
+        False if none. An output that requires grad but has no ``grad_fn`` is a leaf of the graph (peft's
+        ``enable_input_require_grads`` makes the input embedding's output one): its gradient stops there, so
+        nothing in backward reads this unit's parameters through it."""
         hooked = False
         for t in iter_tensors(output):
-            if t.requires_grad:
+            if t.requires_grad and t.grad_fn is not None:
                 t.register_hook(self._pre_backward_hook)
                 hooked = True
         return hooked
