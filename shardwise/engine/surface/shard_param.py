@@ -236,7 +236,9 @@ def _route_one(a):
                     return a
                 group, index = where
                 detached = a.detach()  # (a piece; for a whole piece the plain tensor itself)
-            return _DirectGrad.apply(group.grad_anchor, detached, group, index, a._layout)
+            routed = _DirectGrad.apply(group.grad_anchor, detached, group, index, a._layout)
+            routed._fqn = a._fqn  # a refusal further down names the parameter, not "a piece"
+            return routed
     return a
 
 
