@@ -42,9 +42,9 @@ NESTED_BLOCKSIZE = 256
 _LUT_SIZE = 65536
 _TINY_ABSMAX = 1e-38  # bitsandbytes' clamp before taking the reciprocal
 # Elements Layout4bit.dequantize decodes per pass: on a CPU few enough that the pass's temporaries (12 bytes
-# per two elements) stay in cache, on an accelerator enough that kernel launches are few (a QLoRA step on
-# one H100 is bound by the host's launches: a [2048, 5632] bf16 matrix took 0.58 ms in 2^22-element passes,
-# 0.25 ms in one 2^24 pass; 96 MiB of temporaries at most).
+# per two elements) stay in cache, on an accelerator enough that kernel launches are few (one H100: a
+# [2048, 5632] bf16 matrix took 0.58 ms in 2^22-element passes, 0.25 ms in one 2^24 pass writing bf16;
+# 96 MiB of temporaries at most).
 DEQUANT_CHUNK = 1 << 16
 ACCELERATOR_DEQUANT_CHUNK = 1 << 24
 
