@@ -128,11 +128,15 @@ def _lora(seed: int = 0):
     return model
 
 
-def _lora_inputs_require_grad():
+def _lora_inputs_require_grad(hf_checkpointing: bool = False):
     """As peft's ``prepare_model_for_kbit_training`` and transformers' ``gradient_checkpointing_enable`` leave
     a LoRA model before it is wrapped: a forward hook on the input embedding makes its output a leaf that
-    requires grad (so reentrant checkpointing sees an input that needs one)."""
+    requires grad (so reentrant checkpointing sees an input that needs one); with ``hf_checkpointing`` the
+    layers are checkpointed by transformers itself, reentrant, as that recipe does."""
     model = _lora()
+    if hf_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.train()
     model.enable_input_require_grads()
     return model
 
@@ -183,6 +187,8 @@ def _scenarios(root, world):
     out["untied checkpointed"] = lambda r, w: _train(r, w, _llama(), activation_checkpointing=True)
     out["lora"] = lambda r, w: _train(r, w, _lora(), units="auto")
     out["lora, input embeddings require grad"] = lambda r, w: _train(r, w, _lora_inputs_require_grad(), units="auto")
+    out["lora, transformers' reentrant checkpointing"] = (
+        lambda r, w: _train(r, w, _lora_inputs_require_grad(hf_checkpointing=True), units="auto"))
     out["fused head, auto"] = lambda r, w: _train(r, w, _llama(), units="auto", fused=True)
     out["fused head, auto+head"] = _fused_head_unit_refused
     out["tied"] = lambda r, w: _train(r, w, _llama(tie=True))
@@ -302,9 +308,11 @@ def test_an_embedding_output_made_a_leaf_that_requires_grad_is_not_gathered_in_b
     exit) makes the frozen embedding's output a graph leaf that requires grad: the gradient stops there,
     nothing in backward reads the embedding, so backward neither prefetches nor gathers it."""
     for rank_report in reports_at_2:
-        r = scenario(rank_report, "lora, input embeddings require grad")
-        assert_parity(r["metrics"], label="lora, input embeddings require grad")
-        assert [e for e, _ in r["seen"]["forward"] + r["seen"]["backward"]] == [0] * (2 * STEPS * LAYERS), r["seen"]
+        for row in ("lora, input embeddings require grad", "lora, transformers' reentrant checkpointing"):
+            r = scenario(rank_report, row)
+            assert_parity(r["metrics"], label=row)
+            assert [e for e, _ in r["seen"]["forward"] + r["seen"]["backward"]] == [0] * (2 * STEPS * LAYERS), \
+                (row, r["seen"])
 
 
 def test_a_fused_loss_reading_the_heads_weight_trains_under_auto_and_is_refused_under_auto_plus_head(reports_at_2):
