@@ -237,7 +237,7 @@ def _route_one(a):
                 group, index = where
                 detached = a.detach()  # (a piece; for a whole piece the plain tensor itself)
             routed = _DirectGrad.apply(group.grad_anchor, detached, group, index, a._layout)
-            routed._fqn = a._fqn  # a refusal further down names the parameter, not "a piece"
+            routed._fqn = getattr(a, "_fqn", None)  # a refusal further down names the parameter, not "a piece"
             return routed
     return a
 
