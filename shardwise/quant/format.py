@@ -324,14 +324,10 @@ class Layout4bit:
         chunk = chunk or dequant_chunk(weight.device.type)
         step = max(blocksize, chunk - chunk % blocksize)  # whole blocks, so every group starts on a byte
         round_in_multiply = weight.device.type != "cpu"
-        if n <= step:  # one group: no buffers to reuse (a few host operations fewer per matrix)
-            if not round_in_multiply:
-                return dequantize_blocks(weight, absmax, pairs, n, blocksize).to(dtype).view(self.shape)
-            out = torch.empty(n, dtype=dtype, device=weight.device)
-            return dequantize_blocks(weight, absmax, pairs, n, blocksize, out=out).view(self.shape)
-        nbytes = -(-step // 2)
-        index = torch.empty(nbytes, dtype=torch.int32, device=weight.device)
-        values = torch.empty(nbytes, dtype=torch.int64, device=weight.device)
+        index = values = None  # one group: nothing to reuse, dequantize_blocks allocates its own
+        if n > step:
+            index = torch.empty(-(-step // 2), dtype=torch.int32, device=weight.device)
+            values = torch.empty(-(-step // 2), dtype=torch.int64, device=weight.device)
         out = torch.empty(n, dtype=dtype, device=weight.device)
         for lo in range(0, n, step):
             hi = min(lo + step, n)
