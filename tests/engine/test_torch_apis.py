@@ -521,6 +521,20 @@ def assign_piece_sized_grad(ctx: Ctx):
         p.grad = torch.zeros(math.ceil(p.numel() / ctx.ws))
 
 
+def changed_after_shard(change):
+    """``change(first block's MLP input layer)`` after shard() (before it, in the reference), then SGD steps:
+    refused by name under every strategy (the layer's weight is no longer the view shard() made it)."""
+
+    def run(ctx: Ctx, batches):
+        change(ctx.model.blocks[0].mlp.c_fc)
+        train()(ctx, batches)
+    return run
+
+
+def reregister_weight(layer):  # a weight re-wrapped as a parameter of its own (a hand-written re-tie)
+    layer.weight = torch.nn.Parameter(layer.weight)
+
+
 PIECE_OPTIMIZER = "is not a known elementwise optimizer"
 TORCH = "torch: "  # prefix: torch's own error, raised at construction on every rank (as in one process)
 NOT_ITS_STATE = "load a state that optimizer.state_dict() returned"
@@ -596,6 +610,12 @@ ROWS = [
     Row("optimizer.step() between forward and backward (GAN)", step_between_forward_and_backward, WRITTEN),
     Row("in-place write between backward and step", train(after_backward=scale_all(0.99))),
     Row("GradScaler with an inf in one rank's piece", grad_scaler_inf),
+    # torch utilities that re-make a parameter after shard() (tu28): nn.Parameter(p) of a whole piece (no_shard)
+    # is a piece too, so these reach the same refusal under every strategy
+    Row("parametrizations.weight_norm after shard", changed_after_shard(torch.nn.utils.parametrizations.weight_norm),
+        "was removed from its module after shardwise.shard()"),
+    Row("nn.Parameter(p) re-registered after shard", changed_after_shard(reregister_weight),
+        "was replaced after shardwise.shard()"),
 ]
 
 # The closed table (issue #27): a parameter and its gradient are the whole tensor to user code. Whole-shape

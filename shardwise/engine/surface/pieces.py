@@ -199,6 +199,35 @@ _BY_OBJECT: dict = {getattr(torch.Tensor, n): _refuse_memory_access(n) for n in 
     "data_ptr", "const_data_ptr", "mutable_data_ptr", "untyped_storage", "storage", "_typed_storage", "numpy",
     "tolist", "__array__", "__dlpack__") if hasattr(torch.Tensor, n)}
 
+def _detach(t, *args, **kwargs):
+    """``Tensor.detach``: as every call (a view of a piece is a piece; of a whole piece, the plain whole), except
+    for ``nn.Parameter(p)`` of a whole piece (no_shard), which torch builds from ``p.detach()`` and requires
+    to keep the subclass: there it is a whole piece over the same memory, as ``nn.Parameter`` of a piece of
+    more ranks is. So ``nn.Parameter(p)`` and the parametrizations that call it after ``shard()``
+    (``parametrizations.weight_norm``) reach shardwise's own refusal of a replaced parameter under every
+    strategy, not torch's error about ``detach()`` semantics."""
+    if isinstance(t, Piece) and t._layout.is_whole and _called_by_parameter_new():
+        return Piece(local_of(t).detach(), t._layout)
+    with local_only():
+        return torch.Tensor.detach(t, *args, **kwargs)
+
+
+def _called_by_parameter_new() -> bool:
+    """Whether ``detach()`` was called by ``nn.Parameter.__new__`` (its custom-tensor path:
+    ``data.detach().requires_grad_(...)``, then ``type(t) is type(data)`` or a RuntimeError): the frame
+    above ``Piece.__torch_function__``, which called ``_detach``, which called this. ``sys._getframe`` is
+    CPython's; checked on torch 2.13."""
+    import sys
+
+    try:
+        caller = sys._getframe(3)
+    except ValueError:  # (no Python frame that deep: detach called from C++ alone)
+        return False
+    return caller.f_code is torch.nn.Parameter.__new__.__code__
+
+
+_BY_OBJECT[torch.Tensor.detach] = _detach
+
 # Calls about the tensor object, not its values: never routed through a group's anchor.
 _ABOUT_THE_OBJECT = {getattr(torch.Tensor, n) for n in (
     "register_hook", "register_post_accumulate_grad_hook", "requires_grad_", "retain_grad", "detach", "detach_",
