@@ -531,6 +531,18 @@ def changed_after_shard(change):
     return run
 
 
+def functional_call_perturbed(ctx: Ctx, batches):
+    """MAML's inner step: the model called through ``torch.func.functional_call`` with perturbed parameters."""
+    from torch.func import functional_call
+
+    opt = sgd(ctx.params())
+    for x, y in batches:
+        params = {n: p - 0.01 for n, p in ctx.model.named_parameters()}
+        functional_call(ctx.model, params, (ctx.take(x), ctx.take(y))).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def reregister_weight(layer):  # a weight re-wrapped as a parameter of its own (a hand-written re-tie)
     layer.weight = torch.nn.Parameter(layer.weight)
 
@@ -616,6 +628,8 @@ ROWS = [
         "was removed from its module after shardwise.shard()"),
     Row("nn.Parameter(p) re-registered after shard", changed_after_shard(reregister_weight),
         "was replaced after shardwise.shard()"),
+    Row("torch.func.functional_call with perturbed parameters (MAML)", functional_call_perturbed,
+        "torch.func.functional_call given tensors other than the model's own parameters"),
 ]
 
 # The closed table (issue #27): a parameter and its gradient are the whole tensor to user code. Whole-shape

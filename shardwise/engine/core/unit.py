@@ -274,8 +274,9 @@ class Unit:
                 raise ShardwiseError(
                     f"parameter {g.plan.params[pi].fqn!r} of unit {self.label!r} was "
                     f"{'replaced' if name in params else 'removed from its module'} after shardwise.shard() "
-                    f"(torch.nn.utils.parametrize, weight_norm, spectral_norm and prune do this); apply them and "
-                    f"other changes of parameters before shard(), or load values with "
+                    f"(torch.nn.utils.parametrize, weight_norm, spectral_norm and prune do this, and "
+                    f"torch.func.functional_call given tensors other than the model's own parameters); apply them "
+                    f"and other changes of parameters before shard(), or load values with "
                     f"shardwise.load_full_state_dict / shardwise.summon_full_params(writeback=True)")
         for g in self.flat_groups:
             bad = g.changed_param()
