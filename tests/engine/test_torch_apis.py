@@ -522,8 +522,9 @@ def assign_piece_sized_grad(ctx: Ctx):
 
 
 def changed_after_shard(change):
-    """``change(first block's MLP input layer)`` after shard() (before it, in the reference), then SGD steps:
-    refused by name under every strategy (the layer's weight is no longer the view shard() made it)."""
+    """``change(first block's MLP input layer)`` after shard() (in the reference, on the one-process model),
+    then SGD steps: refused by name under every strategy (the layer's weight is no longer the view shard()
+    made it)."""
 
     def run(ctx: Ctx, batches):
         change(ctx.model.blocks[0].mlp.c_fc)

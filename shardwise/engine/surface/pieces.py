@@ -199,6 +199,7 @@ _BY_OBJECT: dict = {getattr(torch.Tensor, n): _refuse_memory_access(n) for n in 
     "data_ptr", "const_data_ptr", "mutable_data_ptr", "untyped_storage", "storage", "_typed_storage", "numpy",
     "tolist", "__array__", "__dlpack__") if hasattr(torch.Tensor, n)}
 
+
 def _detach(t, *args, **kwargs):
     """``Tensor.detach``: as every call (a view of a piece is a piece; of a whole piece, the plain whole), except
     for ``nn.Parameter(p)`` of a whole piece (no_shard), which torch builds from ``p.detach()`` and requires
