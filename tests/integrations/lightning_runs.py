@@ -139,7 +139,9 @@ class TiedNet(L.LightningModule):
         self.log("val_loss", self(batch[0]).pow(2).mean(), sync_dist=True)
 
 
-def trainer_strategy(kind: str):
+def trainer_strategy(kind):
+    if not isinstance(kind, str):
+        return kind  # a strategy object
     if kind == "ddp":
         return DDPStrategy(cluster_environment=ProcessGroupEnvironment())
     return ShardwiseStrategy() if kind == "shardwise" else kind  # "shardwise" by name goes through the registry
@@ -302,3 +304,40 @@ def top_k_checkpoints(root: Path) -> list[str]:
     fit("shardwise", torch.distributed.get_world_size(), root, enable_checkpointing=True, callbacks=[callback])
     torch.distributed.barrier()  # rank 0 removes the worse checkpoint
     return sorted(p.name for p in directory.iterdir())
+
+
+def sharded_runs(rank: int, world_size: int, root: str) -> dict:
+    """``state_dict_type="sharded"``: the Trainer's fit saved (with and without optimizer state) and resumed
+    after its first epoch; validate from those files on a fresh model; Fabric's loop saved and resumed; and a
+    "full" save whose whole model rank 0's memory could not hold (``available_host_memory`` made small on rank
+    0 only)."""
+    from shardwise.integrations import lightning_checkpoint
+
+    root = Path(root)
+    sharded = lambda: ShardwiseStrategy(state_dict_type="sharded")  # noqa: E731
+    model, t, val = fit(sharded(), world_size, root)
+    t.save_checkpoint(root / "sharded.ckpt")
+    t.save_checkpoint(root / "sharded-weights.ckpt", weights_only=True)
+    out = {"record": model.record, "val_loss": val}
+    out["from_ckpt"] = {name: trainer(sharded(), world_size, root).validate(
+        Net(lazy=False), loader(N_EVAL, 2, world_size), ckpt_path=root / name, verbose=False)[0]["val_loss"]
+        for name in ("sharded.ckpt", "sharded-weights.ckpt")}
+    first, t, _ = fit(sharded(), world_size, root, max_epochs=1)
+    t.save_checkpoint(root / "sharded-epoch1.ckpt")
+    resumed, _, val = fit(sharded(), world_size, root, ckpt_path=root / "sharded-epoch1.ckpt")
+    out["resumed"] = {"record": resumed.record, "first_epoch": first.record, "val_loss": val}
+    out["fabric"] = fabric_loop("shardwise", world_size, root, "fabric-sharded", state_dict_type="sharded")
+    out["fabric_resumed"] = fabric_loop("shardwise", world_size, root, "fabric-sharded-resumed",
+                                        resume_from="fabric-sharded", state_dict_type="sharded")
+    full = trainer("shardwise", world_size, root)
+    full.validate(Net(lazy=False), loader(N_EVAL, 2, world_size), verbose=False)
+    real = lightning_checkpoint.available_host_memory
+    if rank == 0:
+        lightning_checkpoint.available_host_memory = lambda: 1799  # bytes: the whole model is 900, held twice
+    try:
+        out["too_big"] = error_of(lambda: full.save_checkpoint(root / "too-big.ckpt"))
+    finally:
+        lightning_checkpoint.available_host_memory = real
+    torch.distributed.barrier()
+    out["too_big_written"] = sorted(p.name for p in root.iterdir() if p.name.startswith("too-big"))
+    return out
