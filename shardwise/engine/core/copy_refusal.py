@@ -15,9 +15,10 @@ def refuse_pickle(self, protocol):
     runtime): ``torch.save(model)`` / ``pickle.dumps(model)`` are refused by name instead of failing on a
     ProcessGroup."""
     raise ShardwiseError(
-        "torch.save(model) / pickle of a sharded model: its runtime holds process groups and its parameters "
-        "are this rank's shards. Save weights instead: torch.save(model.state_dict(), f'model-rank{rank}.pt') "
-        "per rank, shardwise.full_state_dict(model) on rank 0, or shardwise.save_checkpoint")
+        "torch.save(model) / pickle of a sharded model: its runtime holds process groups and its units' "
+        "gathered buffers. Save its weights instead: torch.save(model.state_dict(), path) on every rank (the "
+        "whole model, as under DDP), shardwise.save_whole_model(model, dir) (streamed safetensors) or "
+        "shardwise.save_checkpoint (every rank's pieces and the optimizer state, to resume)")
 
 
 def refuse_deepcopy(self, memo):
