@@ -324,3 +324,25 @@ def test_fabric_load_raw_of_an_optimizer_is_refused(tmp_path):
 def test_a_checkpoint_path_must_be_local():
     with pytest.raises(ShardwiseError, match="s3://bucket/x.ckpt.*local"):
         ckpt.local_path("s3://bucket/x.ckpt")
+
+
+@spawn_once
+def _gan(ws: int) -> list:
+    return run_distributed(runs.gan_runs, ws, str(_root(f"gan{ws}")))
+
+
+@pytest.mark.parametrize("ws", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_manual_optimization_gan_steps_inside_training_step_as_ddp(ws):
+    """Two optimizers stepped inside training_step with toggle_optimizer (Lightning's GAN): the generator's
+    pass after the discriminator's step reads the stepped discriminator (the root unit, gathered around
+    training_step, is gathered again after each step), and a parameter toggled back on after the step gets its
+    gradient. DDP's losses and model, to RTOL (Adam's update divides by the root of a second moment that
+    sums the ranks' gradients in another order than DDP's bucket)."""
+    for rank, r in enumerate(_gan(ws)):
+        ours, ddp = r["shardwise"], r["ddp"]
+        assert len(ours["loss"]) == len(ddp["loss"]) == 2 * 2 * runs.N_TRAIN // runs.GLOBAL_BATCH, rank
+        assert _close(ours["loss"], ddp["loss"]) <= RTOL, (rank, ours["loss"], ddp["loss"])
+        if rank == 0:
+            assert ours["state_dict"].keys() == ddp["state_dict"].keys()
+            for name, value in ddp["state_dict"].items():
+                assert _close(ours["state_dict"][name], value) <= RTOL, name
