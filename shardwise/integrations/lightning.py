@@ -25,7 +25,8 @@ a DDP wrapper around its pieces, and the strategies never build one):
 - validate / test / predict outside ``fit`` shard the model they are given (rank 0's weights), instead of
   broadcasting rank 0's weights into it as Lightning's DDP does.
 - Checkpoints: a file with the whole model that one process loads, plus a sidecar directory of every rank's
-  pieces and optimizer state that resumes at any world size (``lightning_checkpoint.py``).
+  pieces and optimizer state that resumes at any world size (``lightning_checkpoint.py``);
+  ``state_dict_type="sharded"`` keeps the model in the sidecar too, for models rank 0's memory cannot hold.
 
 What the two strategies share, the process group, the collectives and sharding, is ``ShardwiseParallel``
 (``lightning_strategy_base.py``), which also spells every private Lightning name this integration needs.
@@ -60,7 +61,9 @@ from shardwise.integrations.lightning_strategy_base import (BACKWARD_SYNC_ATTR, 
                                                             ProcessGroupEnvironment, ShardwiseParallel,
                                                             default_environment, is_sharded)
 
-__all__ = ["ShardwiseStrategy", "ShardwiseFabricStrategy", "ProcessGroupEnvironment"]
+__all__ = ["ShardwiseStrategy", "ShardwiseFabricStrategy", "ProcessGroupEnvironment", "consolidate_checkpoint"]
+
+consolidate_checkpoint = ckpt.consolidate_checkpoint
 
 
 class _NoSync:
@@ -77,6 +80,9 @@ class ShardwiseStrategy(ShardwiseParallel, ParallelStrategy):
     activation_checkpointing=True, param_init_fn=..., ...)`` takes ``shard()``'s options;
     ``sync_module_states`` defaults to rank 0's weights for an eagerly built model. ``configure_model`` and
     ``Trainer.init_module()`` build on the meta device (``empty_init=False``: real tensors, on the CPU).
+    ``state_dict_type``: ``"full"`` (the checkpoint file holds the whole model, gathered on rank 0) or
+    ``"sharded"`` (every rank writes its pieces to the sidecar directory; ``consolidate_checkpoint`` makes the
+    one-process file).
     """
 
     strategy_name = NAME
@@ -85,11 +91,11 @@ class ShardwiseStrategy(ShardwiseParallel, ParallelStrategy):
                  parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional["pl.plugins.Precision"] = None, process_group_backend: Optional[str] = None,
-                 timeout: Optional[timedelta] = None, **shard_options: Any) -> None:
+                 timeout: Optional[timedelta] = None, state_dict_type: str = "full", **shard_options: Any) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=default_environment(cluster_environment), checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        self._init_shardwise(shard_options, process_group_backend, timeout)
+        self._init_shardwise(shard_options, process_group_backend, timeout, state_dict_type)
 
     @property
     def is_distributed(self) -> bool:  # the Trainer reads it: distributed samplers, sync_dist logging
@@ -152,19 +158,26 @@ class ShardwiseStrategy(ShardwiseParallel, ParallelStrategy):
         return False  # load_checkpoint restores them from the sidecar
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return ckpt.whole_model_state_dict(self.model)
+        if self.state_dict_type == "sharded":
+            return ckpt.sharded_placeholder()  # save_checkpoint names the sidecar directory holding the model
+        return self._whole_model_state_dict(self.model)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         return ckpt.placeholder()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         path, token = self._where_to_save(filepath)
-        markers = []
+        markers, pairs = [], [(self.model, o) for o in self.optimizers]
         if checkpoint.get("optimizer_states"):
-            markers = ckpt.write_sidecar(path, token, [(self.model, o) for o in self.optimizers],
-                                         checkpoint.get("global_step"))
+            markers = ckpt.write_sidecar(path, token, pairs, checkpoint.get("global_step"))
             checkpoint["optimizer_states"] = markers
-        self._write(checkpoint, path, markers, storage_options)
+        named = list(markers)
+        if ckpt.is_sharded_placeholder(checkpoint.get("state_dict")):
+            entry = ckpt.model_marker(self.model, pairs, markers) or ckpt.write_model_sidecar(
+                path, token, self.model, step=checkpoint.get("global_step"))
+            checkpoint["state_dict"] = entry
+            named.append(entry)
+        self._write(checkpoint, path, named, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = ckpt.local_path(self.broadcast(os.fspath(checkpoint_path)))
@@ -198,16 +211,17 @@ class ShardwiseFabricStrategy(ShardwiseParallel, FabricParallelStrategy):
     at the shard parameters (before its first step). ``fabric.init_module(empty_init=True)`` builds on the meta
     device. ``fabric.save(path, {"model": model, "optimizer": optimizer, ...})`` writes the whole model to
     ``path`` and each optimizer, with its model's pieces, to the sidecar; ``fabric.load`` restores both.
+    ``state_dict_type="sharded"``: the model's entry in ``path`` names a sidecar directory too (as the Trainer's).
     """
 
     def __init__(self, accelerator: Optional[Any] = None, parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision: Optional[Any] = None, process_group_backend: Optional[str] = None,
-                 timeout: Optional[timedelta] = None, **shard_options: Any) -> None:
+                 timeout: Optional[timedelta] = None, state_dict_type: str = "full", **shard_options: Any) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=default_environment(cluster_environment), checkpoint_io=checkpoint_io,
                          precision=precision)
-        self._init_shardwise(shard_options, process_group_backend, timeout)
+        self._init_shardwise(shard_options, process_group_backend, timeout, state_dict_type)
         setattr(self, BACKWARD_SYNC_ATTR, _NoSync())
 
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -238,7 +252,11 @@ class ShardwiseFabricStrategy(ShardwiseParallel, FabricParallelStrategy):
     # ---- checkpoints (lightning_checkpoint.py) ------------------------------------------------------------------
 
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        return ckpt.whole_model_state_dict(module) if is_sharded(module) else module.state_dict()
+        if not is_sharded(module):
+            return module.state_dict()
+        if self.state_dict_type == "sharded":
+            return ckpt.sharded_placeholder()  # save_checkpoint names the sidecar directory holding the model
+        return self._whole_model_state_dict(module)
 
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
         if is_sharded(module):
@@ -256,12 +274,15 @@ class ShardwiseFabricStrategy(ShardwiseParallel, FabricParallelStrategy):
         pairs = [(self._owner(state[k], list(state.values())), state[k]) for k in optimizer_keys]
         markers = ckpt.write_sidecar(path, token, pairs, None)
         marker_of = dict(zip(optimizer_keys, markers))
-        converted = {}
-        for key, obj in state.items():
+        named, converted = list(markers), {}
+        for index, (key, obj) in enumerate(state.items()):
             if key in marker_of:
                 value = marker_of[key]
             elif isinstance(obj, nn.Module):
                 value = self.get_module_state_dict(obj)
+                if ckpt.is_sharded_placeholder(value):
+                    value = ckpt.model_marker(obj, pairs, markers) or ckpt.write_model_sidecar(path, token, obj, index)
+                    named.append(value)
             elif _is_stateful(obj):
                 value = obj.state_dict()
             else:
@@ -269,7 +290,7 @@ class ShardwiseFabricStrategy(ShardwiseParallel, FabricParallelStrategy):
             if filter and key in filter and isinstance(value, dict):
                 value = {k: v for k, v in value.items() if filter[key](k, v)}
             converted[key] = value
-        self._write(converted, path, markers, storage_options)
+        self._write(converted, path, named, storage_options)
 
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -300,7 +321,11 @@ class ShardwiseFabricStrategy(ShardwiseParallel, FabricParallelStrategy):
             if isinstance(obj, torch.optim.Optimizer):
                 continue
             if isinstance(obj, nn.Module):
-                if id(obj) not in restored:
+                if id(obj) in restored:
+                    continue
+                if is_sharded(obj) and ckpt.marked_name(value) is not None:
+                    ckpt.restore_model(path, obj, [], value, strict)
+                else:
                     self.load_module_state_dict(obj, value, strict)
             elif _is_stateful(obj):
                 obj.load_state_dict(value)

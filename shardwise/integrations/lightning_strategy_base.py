@@ -127,7 +127,8 @@ class ShardwiseParallel:
     strategy for, sharding a module. Mixed in before each framework's ``ParallelStrategy``."""
 
     def _init_shardwise(self, shard_options: dict, process_group_backend: Optional[str],
-                        timeout: Optional[timedelta]) -> None:
+                        timeout: Optional[timedelta], state_dict_type: str) -> None:
+        self.state_dict_type = ckpt.check_state_dict_type(state_dict_type, type(self).__name__)
         unknown = sorted(set(shard_options) - set(SHARD_OPTIONS))
         if unknown:
             raise ShardwiseError(f"{type(self).__name__}: unknown option(s) {', '.join(unknown)}; it takes "
@@ -325,6 +326,12 @@ class ShardwiseParallel:
                 ckpt.prune_sidecar(path, markers)
 
         self._agreed(write, f"writing {path}")
+
+    def _whole_model_state_dict(self, module: nn.Module) -> dict:
+        """``state_dict_type="full"``: the whole model on rank 0 ({} elsewhere), refused by name on every rank
+        first when rank 0's available host memory cannot hold it."""
+        ckpt.check_whole_model_fits(module, "a checkpoint", self.broadcast(ckpt.available_host_memory()))
+        return ckpt.whole_model_state_dict(module)
 
     def _where_to_save(self, filepath: Any) -> tuple[Path, str]:
         """Rank 0's path (every rank writes its pieces beside the same file) and a token for this save. A path

@@ -140,7 +140,9 @@ class TiedNet(L.LightningModule):
         self.log("val_loss", self(batch[0]).pow(2).mean(), sync_dist=True)
 
 
-def trainer_strategy(kind: str):
+def trainer_strategy(kind):
+    if not isinstance(kind, str):
+        return kind  # a strategy object
     if kind == "ddp":
         return DDPStrategy(cluster_environment=ProcessGroupEnvironment())
     return ShardwiseStrategy() if kind == "shardwise" else kind  # "shardwise" by name goes through the registry
@@ -357,4 +359,41 @@ def gan_runs(rank: int, world_size: int, root: str) -> dict:
         whole = {k: v.clone() for k, v in model.state_dict().items()} if kind == "ddp" else \
             ckpt.whole_model_state_dict(model)
         out[kind] = {"loss": model.record["loss"], "state_dict": whole}
+    return out
+
+
+def sharded_runs(rank: int, world_size: int, root: str) -> dict:
+    """``state_dict_type="sharded"``: the Trainer's fit saved (with and without optimizer state) and resumed
+    after its first epoch; validate from those files on a fresh model; Fabric's loop saved and resumed; and a
+    "full" save whose whole model rank 0's memory could not hold (``available_host_memory`` made small on rank
+    0 only)."""
+    from shardwise.integrations import lightning_checkpoint
+
+    root = Path(root)
+    sharded = lambda: ShardwiseStrategy(state_dict_type="sharded")  # noqa: E731
+    model, t, val = fit(sharded(), world_size, root)
+    t.save_checkpoint(root / "sharded.ckpt")
+    t.save_checkpoint(root / "sharded-weights.ckpt", weights_only=True)
+    out = {"record": model.record, "val_loss": val}
+    out["from_ckpt"] = {name: trainer(sharded(), world_size, root).validate(
+        Net(lazy=False), loader(N_EVAL, 2, world_size), ckpt_path=root / name, verbose=False)[0]["val_loss"]
+        for name in ("sharded.ckpt", "sharded-weights.ckpt")}
+    first, t, _ = fit(sharded(), world_size, root, max_epochs=1)
+    t.save_checkpoint(root / "sharded-epoch1.ckpt")
+    resumed, _, val = fit(sharded(), world_size, root, ckpt_path=root / "sharded-epoch1.ckpt")
+    out["resumed"] = {"record": resumed.record, "first_epoch": first.record, "val_loss": val}
+    out["fabric"] = fabric_loop("shardwise", world_size, root, "fabric-sharded", state_dict_type="sharded")
+    out["fabric_resumed"] = fabric_loop("shardwise", world_size, root, "fabric-sharded-resumed",
+                                        resume_from="fabric-sharded", state_dict_type="sharded")
+    full = trainer("shardwise", world_size, root)
+    full.validate(Net(lazy=False), loader(N_EVAL, 2, world_size), verbose=False)
+    real = lightning_checkpoint.available_host_memory
+    if rank == 0:
+        lightning_checkpoint.available_host_memory = lambda: 1799  # bytes: the whole model is 900, held twice
+    try:
+        out["too_big"] = error_of(lambda: full.save_checkpoint(root / "too-big.ckpt"))
+    finally:
+        lightning_checkpoint.available_host_memory = real
+    torch.distributed.barrier()
+    out["too_big_written"] = sorted(p.name for p in root.iterdir() if p.name.startswith("too-big"))
     return out

@@ -363,3 +363,63 @@ def test_a_save_onto_a_link_writes_its_own_file_and_keeps_the_targets_sidecar(tm
     strategy.save_checkpoint({"state_dict": {}, "epoch": 4}, link)
     assert not link.is_symlink() and torch.load(link)["epoch"] == 4
     assert target.read_bytes() == b"epoch 1" and kept.is_dir(), "the link's target and its sidecar are left alone"
+
+
+# ---- state_dict_type="sharded" ---------------------------------------------------------------------------------
+
+
+@spawn_once
+def _sharded(ws: int) -> list:
+    return run_distributed(runs.sharded_runs, ws, str(_root(f"sharded{ws}")))
+
+
+def test_sharded_checkpoints_train_resume_and_evaluate_as_full_ones():
+    """state_dict_type="sharded" trains the bits "full" trains; its file holds no tensor of the model (a marker
+    naming the sidecar directory that does); a fresh model validated from it, with or without optimizer state,
+    gives the fitted model's loss; a resumed fit gives the uninterrupted fit's bits; Fabric's loop too."""
+    full = _trainer(2)
+    for rank, r in enumerate(_sharded(2)):
+        assert r["record"] == full[rank]["shardwise"]["record"], f"rank {rank}: sharded fit differs from full"
+        v = full[rank]["shardwise"]["fitted"]["val_loss"]  # validate() on the model "full" trained
+        assert r["from_ckpt"] == {"sharded.ckpt": v, "sharded-weights.ckpt": v}, (rank, r["from_ckpt"], v)
+        for key in ("loss", "grad_norm"):
+            assert r["resumed"]["first_epoch"][key] + r["resumed"]["record"][key] == r["record"][key], (rank, key)
+        assert r["fabric_resumed"]["loss"] == r["fabric"]["loss"][len(r["fabric"]["loss"]) // 2:], rank
+    root = _root("sharded2")
+    for name in ("sharded.ckpt", "sharded-weights.ckpt"):
+        raw = torch.load(root / name, map_location="cpu", weights_only=True)
+        directory = raw["state_dict"][ckpt.MODEL_MARKER]
+        assert (ckpt.sidecar_of(root / name) / directory).is_dir(), name
+        assert not any(isinstance(v, torch.Tensor) for v in raw["state_dict"].values())
+    fabric = torch.load(root / "fabric-sharded.ckpt", map_location="cpu", weights_only=True)
+    assert fabric["model"] == {ckpt.MODEL_MARKER: fabric["optimizer"][ckpt.MARKER]}, "the optimizer's directory holds the model"
+
+
+def test_a_sharded_checkpoint_consolidated_loads_in_one_process_as_the_full_one():
+    """consolidate_checkpoint(PATH, OUT) in this process (no process group): OUT's state dict is, bit for bit,
+    the "full" file's of the same training; PATH itself is refused by load_from_checkpoint, naming the marker."""
+    from shardwise.integrations.lightning import consolidate_checkpoint
+
+    _sharded(2)
+    root = _root("sharded2")
+    for name, full in (("sharded.ckpt", "shardwise.ckpt"), ("sharded-weights.ckpt", "shardwise-weights.ckpt")):
+        out = consolidate_checkpoint(root / name, root / f"consolidated-{name}")
+        ours, theirs = _state_dict(out), _state_dict(_root("trainer2") / full)
+        assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs), name
+        assert "optimizer_states" not in torch.load(out, map_location="cpu", weights_only=True)
+    with pytest.raises(RuntimeError, match=ckpt.MODEL_MARKER):
+        runs.Net.load_from_checkpoint(root / "sharded.ckpt", map_location="cpu")
+    with pytest.raises(ShardwiseError, match="not saved with state_dict_type='sharded'"):
+        consolidate_checkpoint(_root("trainer2") / "shardwise.ckpt", root / "x.ckpt")
+
+
+def test_a_full_save_rank_0_cannot_hold_is_refused_on_every_rank_before_gathering():
+    for rank, r in enumerate(_sharded(2)):
+        assert "state_dict_type='sharded'" in r["too_big"] and "rank 0's host memory" in r["too_big"], (rank, r["too_big"])
+        assert r["too_big_written"] == [], rank
+
+
+@pytest.mark.parametrize("cls", [ShardwiseStrategy, ShardwiseFabricStrategy])
+def test_an_unknown_state_dict_type_is_named(cls):
+    with pytest.raises(ShardwiseError, match="state_dict_type='whole'.*'full', 'sharded'"):
+        cls(state_dict_type="whole")
