@@ -434,7 +434,9 @@ def _steps_inside_a_method(rank, ws):
         losses = []
         for i in range(STEPS):
             x = torch.randn(6, 10, generator=torch.Generator().manual_seed(i))
-            refill = lambda opt: refill_after_step(model, [p for g in opt.param_groups for p in g["params"]])  # noqa: E731
+            def refill(opt):
+                refill_after_step(model, [p for g in opt.param_groups for p in g["params"]])
+
             mine = model.train_step(local_slice(x, rank, ws), *opts[id(model)], refill)
             theirs = ref.train_step(x, *opts[id(ref)], lambda opt: None)
             torch.distributed.all_reduce(mine)  # the mean of equal slices' means: the batch's
