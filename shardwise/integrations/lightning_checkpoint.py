@@ -75,6 +75,13 @@ def sidecar_of(path: Path) -> Path:
     return real.with_name(real.name + SIDECAR_SUFFIX)
 
 
+def unlink_link(path: Path) -> None:
+    """Rank 0, before a save to ``path``: remove ``path`` if it is a symbolic link (never its target), so the
+    save's file and sidecar are both ``path``'s own."""
+    if path.is_symlink():
+        path.unlink()
+
+
 def placeholder() -> dict:
     """An optimizer's entry until ``save`` names its directory (``optimizer_state()`` returns it)."""
     return {MARKER: None}

@@ -334,6 +334,11 @@ class ShardwiseParallel:
         return ckpt.whole_model_state_dict(module)
 
     def _where_to_save(self, filepath: Any) -> tuple[Path, str]:
-        """Rank 0's path (every rank writes its pieces beside the same file) and a token for this save."""
+        """Rank 0's path (every rank writes its pieces beside the same file) and a token for this save. A path
+        that is a symbolic link (``ModelCheckpoint(save_last="link")`` leaves ``last.ckpt`` one) is unlinked
+        first: the save writes a file of its own there, as Lightning's atomic save replaces the link, so its
+        sidecar goes beside it and the link's target keeps its file and sidecar."""
         path, token = self.broadcast((os.fspath(filepath), ckpt.new_token()))
-        return ckpt.local_path(path), token
+        path = ckpt.local_path(path)
+        self._agreed(lambda: ckpt.unlink_link(path) if self.is_global_zero else None, f"replacing the link {path}")
+        return path, token

@@ -371,6 +371,82 @@ def _outside_forward(rank, ws):
     return out
 
 
+class Gan(torch.nn.Module):
+    """A generator and a discriminator with their heads in the root unit, and a ``train_step`` that steps both
+    optimizers inside it, each between a toggle of ``requires_grad`` (Lightning's manual optimisation)."""
+
+    def __init__(self, width: int = 10):
+        super().__init__()
+        self.generator = torch.nn.Sequential(Tanh(width), Tanh(width), torch.nn.Linear(width, width))
+        self.discriminator = torch.nn.Sequential(Tanh(width), Tanh(width), torch.nn.Linear(width, 1))
+
+    def train_step(self, x, g_opt, d_opt, after_step):
+        def toggle(opt):  # as LightningModule.toggle_optimizer: through the optimizers' parameters
+            chosen = {id(p) for g in opt.param_groups for p in g["params"]}
+            for o in (g_opt, d_opt):
+                for p in (p for g in o.param_groups for p in g["params"]):
+                    p.requires_grad_(id(p) in chosen)
+
+        z = x.flip(1)
+        toggle(d_opt)
+        fake = self.generator(z).detach()
+        d_loss = F.softplus(-self.discriminator(x)).mean() + F.softplus(self.discriminator(fake)).mean()
+        d_loss.backward()
+        d_opt.step()
+        after_step(d_opt)
+        d_opt.zero_grad()
+        toggle(g_opt)
+        g_loss = F.softplus(-self.discriminator(self.generator(z))).mean()
+        g_loss.backward()
+        g_opt.step()
+        after_step(g_opt)
+        g_opt.zero_grad()
+        for p in (p for o in (g_opt, d_opt) for g in o.param_groups for p in g["params"]):
+            p.requires_grad_(True)  # untoggled
+        return torch.stack([d_loss.detach(), g_loss.detach()])
+
+
+class Tanh(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+def _steps_inside_a_method(rank, ws):
+    """Two optimizers stepped inside a method registered with register_forward_method (the root gathered around
+    it), each step followed by the refill the Lightning strategy calls: the pass after the first step reads its
+    new weights, and a parameter frozen at that step and unfrozen after it gets its gradient. Losses and
+    parameters as one process running the same method."""
+    from shardwise.engine.full_params import refill_after_step
+
+    out = {}
+    for strategy in ("full_shard", "no_shard"):
+        torch.manual_seed(0)
+        ref, model = Gan(), Gan()
+        model.load_state_dict(ref.state_dict())
+        shardwise.shard(model, units={Tanh}, strategy=strategy)
+        shardwise.register_forward_method(model, "train_step")
+        opts = {id(m): (torch.optim.Adam(m.generator.parameters(), lr=0.05),
+                        torch.optim.Adam(m.discriminator.parameters(), lr=0.05)) for m in (ref, model)}
+        losses = []
+        for i in range(STEPS):
+            x = torch.randn(6, 10, generator=torch.Generator().manual_seed(i))
+            def refill(opt):
+                refill_after_step(model, [p for g in opt.param_groups for p in g["params"]])
+
+            mine = model.train_step(local_slice(x, rank, ws), *opts[id(model)], refill)
+            theirs = ref.train_step(x, *opts[id(ref)], lambda opt: None)
+            torch.distributed.all_reduce(mine)  # the mean of equal slices' means: the batch's
+            losses.append(rel_err(mine / ws, theirs))
+        whole = shardwise.full_state_dict(model)
+        out[strategy] = {"losses": losses, "params": max(rel_err(whole[k], v) for k, v in ref.state_dict().items())
+                         if rank == 0 else 0.0}
+    return out
+
+
 class MaskedLinear(torch.nn.Module):
     """A linear layer with a bool mask and an int8 scale stored as (frozen) parameters."""
 
@@ -409,7 +485,8 @@ def _worker(rank, ws):
     return run_scenarios({"recompute": _recompute, "opaque": _opaque_outputs, "exceptions": _caught_exceptions,
                           "no_sync_unused": _no_sync_unused, "freeze": _freeze_unfreeze, "conversions": _conversions,
                           "optimizer_in_backward": _optimizer_in_backward, "double_backward": _double_backward,
-                          "outside_forward": _outside_forward, "integer_params": _integer_params}, rank, ws)
+                          "outside_forward": _outside_forward, "integer_params": _integer_params,
+                          "steps_inside_a_method": _steps_inside_a_method}, rank, ws)
 
 
 @spawn_once
@@ -505,3 +582,9 @@ def test_modules_and_methods_called_outside_the_root_forward_use_full_parameters
     for key in ("head", "block", "method", "summoned", "after"):
         assert r[key] <= 1e-6, f"{key}: off by {r[key]:.2e}"
     assert r["shapes"] and r["shards_after"]
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
+def test_optimizer_steps_inside_a_registered_method_refill_the_gathered_root(strategy):
+    r = scenario(report(), "steps_inside_a_method")[strategy]
+    assert max(r["losses"]) <= 1e-6 and r["params"] <= 1e-6, r

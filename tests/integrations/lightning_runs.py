@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from harness import error_of
 from parity_utils import assert_engine_clean, is_sharded
+from shardwise.integrations import lightning_checkpoint as ckpt
 from shardwise.integrations.lightning import ProcessGroupEnvironment, ShardwiseFabricStrategy, ShardwiseStrategy
 
 DIM, DEPTH = 8, 3
@@ -304,6 +305,61 @@ def top_k_checkpoints(root: Path) -> list[str]:
     fit("shardwise", torch.distributed.get_world_size(), root, enable_checkpointing=True, callbacks=[callback])
     torch.distributed.barrier()  # rank 0 removes the worse checkpoint
     return sorted(p.name for p in directory.iterdir())
+
+
+class Gan(L.LightningModule):
+    """Lightning's manual-optimisation GAN as its docs write one: two optimizers stepped inside
+    ``training_step``, each between ``toggle_optimizer`` and ``untoggle_optimizer``; the generator's pass runs
+    through the discriminator the step before changed. Both heads live in the root unit, gathered around
+    ``training_step``."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(*(Block() for _ in range(DEPTH)), nn.Linear(DIM, DIM))
+        self.discriminator = Tower()
+        self.record: dict[str, list] = {"loss": []}
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        g_opt, d_opt = self.optimizers()
+        z = x.flip(1)  # the same noise under both strategies
+        self.toggle_optimizer(d_opt)
+        d_loss = (F.softplus(-self.discriminator(x)).mean()
+                  + F.softplus(self.discriminator(self.generator(z).detach())).mean())
+        self.manual_backward(d_loss)
+        d_opt.step()
+        d_opt.zero_grad()
+        self.untoggle_optimizer(d_opt)
+        self.toggle_optimizer(g_opt)
+        g_loss = F.softplus(-self.discriminator(self.generator(z))).mean()
+        self.manual_backward(g_loss)
+        g_opt.step()
+        g_opt.zero_grad()
+        self.untoggle_optimizer(g_opt)
+        self.record["loss"] += [d_loss.item(), g_loss.item()]
+
+    def configure_optimizers(self):
+        return [torch.optim.Adam(self.generator.parameters(), lr=0.01, betas=(0.5, 0.999)),
+                torch.optim.Adam(self.discriminator.parameters(), lr=0.01, betas=(0.5, 0.999))]
+
+
+def gan_runs(rank: int, world_size: int, root: str) -> dict:
+    """The GAN under DDP (``find_unused_parameters``, as Lightning's docs ask for toggled optimizers) and ours:
+    each one's losses and its whole model at the end."""
+    out = {}
+    for kind in ("ddp", "shardwise"):
+        L.seed_everything(0, verbose=False)
+        model = Gan()
+        strategy = (DDPStrategy(cluster_environment=ProcessGroupEnvironment(), find_unused_parameters=True)
+                    if kind == "ddp" else ShardwiseStrategy())
+        L.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_epochs=2, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  default_root_dir=root).fit(model, loader(N_TRAIN, 1, world_size))
+        whole = {k: v.clone() for k, v in model.state_dict().items()} if kind == "ddp" else \
+            ckpt.whole_model_state_dict(model)
+        out[kind] = {"loss": model.record["loss"], "state_dict": whole}
+    return out
 
 
 def sharded_runs(rank: int, world_size: int, root: str) -> dict:

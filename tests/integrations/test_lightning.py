@@ -326,6 +326,45 @@ def test_a_checkpoint_path_must_be_local():
         ckpt.local_path("s3://bucket/x.ckpt")
 
 
+@spawn_once
+def _gan(ws: int) -> list:
+    return run_distributed(runs.gan_runs, ws, str(_root(f"gan{ws}")))
+
+
+@pytest.mark.parametrize("ws", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_manual_optimization_gan_steps_inside_training_step_as_ddp(ws):
+    """Two optimizers stepped inside training_step with toggle_optimizer (Lightning's GAN): the generator's
+    pass after the discriminator's step reads the stepped discriminator (the root unit, gathered around
+    training_step, is gathered again after each step), and a parameter toggled back on after the step gets its
+    gradient. DDP's losses and model, to RTOL (Adam's update divides by the root of a second moment that
+    sums the ranks' gradients in another order than DDP's bucket)."""
+    for rank, r in enumerate(_gan(ws)):
+        ours, ddp = r["shardwise"], r["ddp"]
+        assert len(ours["loss"]) == len(ddp["loss"]) == 2 * 2 * runs.N_TRAIN // runs.GLOBAL_BATCH, rank
+        assert _close(ours["loss"], ddp["loss"]) <= RTOL, (rank, ours["loss"], ddp["loss"])
+        if rank == 0:
+            assert ours["state_dict"].keys() == ddp["state_dict"].keys()
+            for name, value in ddp["state_dict"].items():
+                assert _close(ours["state_dict"][name], value) <= RTOL, name
+
+
+def test_a_save_onto_a_link_writes_its_own_file_and_keeps_the_targets_sidecar(tmp_path):
+    """ModelCheckpoint(save_last="link") leaves last.ckpt a link to the newest top-k file; a later save to
+    last.ckpt (the first one after a resume, or a weights-only one) writes a file of its own there, as
+    Lightning's atomic save does, with its sidecar beside it; the target keeps its file and its sidecar."""
+    target, link = tmp_path / "epoch=1.ckpt", tmp_path / "last.ckpt"
+    target.write_bytes(b"epoch 1")
+    kept = tmp_path / ("epoch=1.ckpt" + ckpt.SIDECAR_SUFFIX) / "optimizer-0-0123456789ab"
+    kept.mkdir(parents=True)
+    link.symlink_to(target.name)
+    strategy = ShardwiseStrategy()
+    path, _ = strategy._where_to_save(link)  # where every rank writes its pieces (before rank 0 writes the file)
+    assert ckpt.sidecar_of(path) == tmp_path / ("last.ckpt" + ckpt.SIDECAR_SUFFIX), ckpt.sidecar_of(path)
+    strategy.save_checkpoint({"state_dict": {}, "epoch": 4}, link)
+    assert not link.is_symlink() and torch.load(link)["epoch"] == 4
+    assert target.read_bytes() == b"epoch 1" and kept.is_dir(), "the link's target and its sidecar are left alone"
+
+
 # ---- state_dict_type="sharded" ---------------------------------------------------------------------------------
 
 

@@ -266,6 +266,16 @@ class FlatGroup:
             self.refresh_due = self.written = False
             self._gathered_version = self.shard_version()
 
+    def refill(self) -> None:
+        """Gather the shards again into the gathered buffer, which stays allocated and bound: they were written
+        while it was gathered (``Unit.refill_after_write``). Nothing to do where the buffer is the shard."""
+        if self.aliases_shard:
+            return
+        self.wait_unshard()
+        self.state = GatherState.SHARDED
+        self.begin_unshard()
+        self.wait_unshard()
+
     def wait_unshard(self) -> None:
         if self.state is GatherState.GATHERING:
             work = self._gather_work

@@ -79,19 +79,19 @@ class UnshardParams(torch.autograd.Function):
     with no gradient, before the real one is handed out."""
 
     @staticmethod
-    def forward(ctx, group: FlatGroup, ticket: BackwardTicket, anchor: torch.Tensor):
+    def forward(ctx, group: FlatGroup, ticket: BackwardTicket, anchor: torch.Tensor, mark_frozen: bool = True):
         ctx.group, ctx.ticket = group, ticket
         ctx.set_materialize_grads(False)  # unused parameters arrive as None, not as zero tensors
         views = group.full_views()
         frozen = [v for v, p in zip(views, group.shard_params) if not group.factory.requires_grad(p)]
-        if frozen:  # frozen after shard(): no gradient is computed for it, none handed out
+        if frozen and mark_frozen:  # frozen after shard(): no gradient is computed for it, none handed out
             ctx.mark_non_differentiable(*frozen)
         return tuple(views)
 
     @staticmethod
     def backward(ctx, *grads: Optional[torch.Tensor]):
         ctx.ticket.unit.post_backward(ctx.group, grads, ctx.ticket)
-        return None, None, None
+        return None, None, None, None
 
 
 class FrameKind(enum.Enum):
@@ -215,18 +215,21 @@ class Unit:
             g.reshard()
 
     # ---- module attributes ------------------------------------------------------------------------
-    def make_views(self) -> tuple[list, Optional[BackwardTicket]]:
+    def make_views(self, trainable: Optional[list[bool]] = None) -> tuple[list, Optional[BackwardTicket]]:
         """Full-shape views of every group; trainable groups' views are ``UnshardParams`` outputs under a
-        new ticket when autograd records. Which groups are trainable is read now: requires_grad may have
-        changed since shard()."""
-        trainable = [g.any_requires_grad() for g in self.flat_groups] if torch.is_grad_enabled() else None
+        new ticket when autograd records. Which groups are trainable is read now (requires_grad may have
+        changed since shard()), and a parameter frozen now gets a view that needs no gradient; unless
+        ``trainable`` says which groups are, and then every view of those needs one (``refill_after_write``)."""
+        mark_frozen = trainable is None
+        if trainable is None:
+            trainable = [g.any_requires_grad() for g in self.flat_groups] if torch.is_grad_enabled() else None
         ticket = None
         if trainable is not None and any(trainable):
             versions = [g.shard_version() if rg else None for g, rg in zip(self.flat_groups, trainable)]
             ticket = BackwardTicket(self, sum(trainable), versions)
         views = []
         for g, rg in zip(self.flat_groups, trainable or [False] * len(self.flat_groups)):
-            views.append(UnshardParams.apply(g, ticket, g.grad_anchor) if rg else g.full_views())
+            views.append(UnshardParams.apply(g, ticket, g.grad_anchor, mark_frozen) if rg else g.full_views())
         return views, ticket
 
     def bind(self, views: Optional[list]) -> None:
@@ -339,6 +342,27 @@ class Unit:
         if frame.kind is FrameKind.FORWARD and frame.ticket is None and torch.is_grad_enabled():
             frame.inputs_signal_backward = self._signal_when_input_grads_ready(args, kwargs)
         return args, kwargs
+
+    def refill_after_write(self) -> None:
+        """An optimizer step wrote the shards while an entry binds this unit's gathered parameters (a method
+        registered with ``register_forward_method`` that steps inside, as Lightning's manual optimisation does
+        in ``training_step``): gather them again and bind new views under a new ticket, so the code after the
+        step computes with the new values, as a module's parameters do in one process. Graphs recorded before
+        the step keep the old ticket, and their backward is refused (``_refuse_written_since_forward``), as
+        torch refuses a backward through a parameter modified in place."""
+        frame = next((f for f in reversed(self.frames) if f.views is not None), None)
+        if frame is None or frame.kind is not FrameKind.FORWARD:
+            return
+        for g in self.flat_groups:
+            g.refill()
+        # The groups that were trainable at the entry stay so, every parameter with a view that needs a
+        # gradient: code after the step may unfreeze what was frozen at the step (Lightning's toggle_optimizer
+        # around a GAN's two steps), and a frozen parameter's gradient is never handed out
+        # (GradSink.accumulate reads requires_grad then).
+        trainable = ([v is not None for v in frame.ticket.versions] if frame.ticket is not None
+                     else [False] * len(self.flat_groups))  # (entered without autograd: views without)
+        frame.views, frame.ticket = self.make_views(trainable)
+        self.rebind()
 
     def _signal_when_input_grads_ready(self, args, kwargs) -> bool:
         """Frozen unit: call ``backward_done`` once the gradients w.r.t. its inputs are computed."""
