@@ -108,18 +108,6 @@ def _refuse_rank_local_edits(rt, fulls) -> None:
                              f"written back")
 
 
-def refill_after_step(module: nn.Module, params) -> None:
-    """After an optimizer step over ``params`` taken inside an entry of the sharded model (a method registered
-    with ``register_forward_method`` that steps, as Lightning's manual optimisation does in ``training_step``):
-    every unit whose gathered parameters are bound and include one of ``params`` gathers its new shards again
-    (``Unit.refill_after_write``). Outside such an entry, nothing. Every rank calls it after the same step
-    (the refill communicates; which units refill depends only on the parameters, the same on every rank)."""
-    stepped = {id(p) for p in params}
-    for unit in _runtime(module).units:
-        if unit.params_bound() and any(id(p) in stepped for g in unit.flat_groups for p in g.shard_params):
-            unit.refill_after_write()
-
-
 def register_forward_method(module: nn.Module, name: str) -> None:
     """Make ``module.<name>(...)`` gather its unit's parameters like ``forward`` does (torch FSDP2's
     ``register_fsdp_forward_method``). ``module`` is the sharded model or one of its units' modules."""

@@ -17,7 +17,8 @@ a DDP wrapper around its pieces, and the strategies never build one):
   would: seed every rank alike (``seed_everything``).
 - Lightning calls ``training_step`` (validation, test, predict) on the module itself, not through forward, so
   the root unit gathers around those methods too (``shardwise.register_forward_method``), as around forward;
-  an optimizer stepped inside ``training_step`` (manual optimisation) gathers it again after the step.
+  an optimizer stepped inside ``training_step`` (manual optimisation) gathers it again after the step (the
+  engine's step hook does, as for any method registered so).
 - Gradient accumulation runs under ``shardwise.no_sync`` (the Trainer's ``accumulate_grad_batches``, Fabric's
   ``no_backward_sync``); Lightning's own norm and value clipping call torch's ``clip_grad_norm_`` /
   ``clip_grad_value_``, exact on shard parameters.
@@ -54,7 +55,6 @@ except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError("shardwise.integrations.lightning needs Lightning: pip install 'shardwise[lightning]'") from e
 
 import shardwise
-from shardwise.engine.full_params import refill_after_step
 from shardwise.errors import ShardwiseError
 from shardwise.integrations import lightning_checkpoint as ckpt
 from shardwise.integrations.lightning_strategy_base import (BACKWARD_SYNC_ATTR, LAYER_SYNC_ATTR, NAME,
@@ -128,16 +128,6 @@ class ShardwiseStrategy(ShardwiseParallel, ParallelStrategy):
 
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
         return self._all_reduce(tensor, group, reduce_op)
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
-                       model: Optional[Any] = None, **kwargs: Any) -> Any:
-        """Lightning's step; a step taken inside ``training_step`` (manual optimisation: ``opt.step()`` of
-        ``self.optimizers()``) is followed by a refill of the root unit gathered around the step method, so
-        the rest of ``training_step`` (a GAN's generator pass after the discriminator's step) reads the new
-        weights, as under DDP."""
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        refill_after_step(self.model, [p for group in optimizer.param_groups for p in group["params"]])
-        return out
 
     def teardown(self) -> None:
         # Not Strategy.teardown: it moves the LightningModule to the CPU, which would move the shards out from

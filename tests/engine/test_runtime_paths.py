@@ -380,7 +380,7 @@ class Gan(torch.nn.Module):
         self.generator = torch.nn.Sequential(Tanh(width), Tanh(width), torch.nn.Linear(width, width))
         self.discriminator = torch.nn.Sequential(Tanh(width), Tanh(width), torch.nn.Linear(width, 1))
 
-    def train_step(self, x, g_opt, d_opt, after_step):
+    def train_step(self, x, g_opt, d_opt):
         def toggle(opt):  # as LightningModule.toggle_optimizer: through the optimizers' parameters
             chosen = {id(p) for g in opt.param_groups for p in g["params"]}
             for o in (g_opt, d_opt):
@@ -393,13 +393,11 @@ class Gan(torch.nn.Module):
         d_loss = F.softplus(-self.discriminator(x)).mean() + F.softplus(self.discriminator(fake)).mean()
         d_loss.backward()
         d_opt.step()
-        after_step(d_opt)
         d_opt.zero_grad()
         toggle(g_opt)
         g_loss = F.softplus(-self.discriminator(self.generator(z))).mean()
         g_loss.backward()
         g_opt.step()
-        after_step(g_opt)
         g_opt.zero_grad()
         for p in (p for o in (g_opt, d_opt) for g in o.param_groups for p in g["params"]):
             p.requires_grad_(True)  # untoggled
@@ -417,11 +415,9 @@ class Tanh(torch.nn.Module):
 
 def _steps_inside_a_method(rank, ws):
     """Two optimizers stepped inside a method registered with register_forward_method (the root gathered around
-    it), each step followed by the refill the Lightning strategy calls: the pass after the first step reads its
-    new weights, and a parameter frozen at that step and unfrozen after it gets its gradient. Losses and
-    parameters as one process running the same method."""
-    from shardwise.engine.full_params import refill_after_step
-
+    it), plain ``opt.step()`` calls as in one process: the pass after the first step reads its new weights
+    (the engine's step hook gathers the bound root again), and a parameter frozen at that step and unfrozen
+    after it gets its gradient. Losses and parameters as one process running the same method."""
     out = {}
     for strategy in ("full_shard", "no_shard"):
         torch.manual_seed(0)
@@ -434,11 +430,8 @@ def _steps_inside_a_method(rank, ws):
         losses = []
         for i in range(STEPS):
             x = torch.randn(6, 10, generator=torch.Generator().manual_seed(i))
-            def refill(opt):
-                refill_after_step(model, [p for g in opt.param_groups for p in g["params"]])
-
-            mine = model.train_step(local_slice(x, rank, ws), *opts[id(model)], refill)
-            theirs = ref.train_step(x, *opts[id(ref)], lambda opt: None)
+            mine = model.train_step(local_slice(x, rank, ws), *opts[id(model)])
+            theirs = ref.train_step(x, *opts[id(ref)])
             torch.distributed.all_reduce(mine)  # the mean of equal slices' means: the batch's
             losses.append(rel_err(mine / ws, theirs))
         whole = shardwise.full_state_dict(model)

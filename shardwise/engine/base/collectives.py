@@ -129,6 +129,11 @@ def forbid_collectives_here() -> None:
     _no_collectives.here = True
 
 
+def may_issue_here() -> bool:
+    """Whether this thread may issue a collective (not a thread beside the training thread)."""
+    return not getattr(_no_collectives, "here", False)
+
+
 def issue_here(what: str) -> None:
     """Refuse a collective issued from a thread that runs beside the training thread (an internal error if it
     ever happens: such a thread hands its collectives back). Autograd's own threads are fine: the training

@@ -78,6 +78,7 @@ class FlatGroup:
         self.sink = sink if sink is not None else GradSink(transfers)
         self.checker = checker  # fingerprint.CollectiveChecker of the model, when collectives are checked
         self.ids = ids  # (unit index, group index within the unit)
+        self.unit = None  # the core.unit.Unit this group belongs to (set by the Unit)
         start, end = plan.shard_range(groups.shard_rank)
         self.shard_start = start
         self.local_slices: list[tuple[int, int, int]] = []  # per param: (lo, hi) in the param, offset in shard

@@ -41,6 +41,7 @@ import torch
 
 from shardwise.errors import ShardwiseError
 from shardwise.engine.core.flat_group import FlatGroup, GatherState
+from shardwise.engine.base import collectives
 from shardwise.engine.base.mixed_precision import cast_floating
 from shardwise.engine.base.torch_internals import autograd_engine_running, storage_held_only_by
 from shardwise.engine.base.nested import iter_tensors
@@ -179,6 +180,8 @@ class Unit:
     def __init__(self, plan: UnitPlan, groups: list[FlatGroup], runtime: "ModelRuntime"):
         self.plan = plan
         self.flat_groups = groups  # one per (dtype, requires_grad) of the unit's parameters
+        for g in groups:
+            g.unit = self
         self.runtime = runtime
         self.reshard_after_forward = runtime.strategy.reshard_after_forward and not plan.kept_after_forward
         self.owed_backwards = 0
@@ -343,7 +346,7 @@ class Unit:
             frame.inputs_signal_backward = self._signal_when_input_grads_ready(args, kwargs)
         return args, kwargs
 
-    def refill_after_write(self) -> None:
+    def refill_after_write(self) -> None:  # (called through refill_units_stepped)
         """An optimizer step wrote the shards while an entry binds this unit's gathered parameters (a method
         registered with ``register_forward_method`` that steps inside, as Lightning's manual optimisation does
         in ``training_step``): gather them again and bind new views under a new ticket, so the code after the
@@ -529,3 +532,18 @@ def _refuse_written_since_forward(group: FlatGroup, versions: tuple, label: str)
         f"differentiates (optimizer.step() or a write under torch.no_grad() before loss.backward()): the "
         f"backward would use the new values. Plain PyTorch raises 'one of the variables needed for gradient "
         f"computation has been modified by an inplace operation' here; call backward before changing parameters")
+
+
+def refill_units_stepped(groups) -> None:
+    """After an optimizer step wrote the shards of ``groups``: each of their units that an entry binds in a
+    forward (a method registered with ``register_forward_method`` that steps inside, as Lightning's manual
+    optimisation does in ``training_step``) gathers its new shards (``Unit.refill_after_write``), so the code
+    after the step computes with the new values, as in one process. Every rank takes the same step at the
+    same point, so every rank refills alike. Not inside a backward (an optimizer stepping in backward: the
+    graph still running reads the gathered values it recorded) and not from a thread beside the training
+    thread (the offload worker: no collective may start there)."""
+    if autograd_engine_running() or not collectives.may_issue_here():
+        return
+    for unit in {id(g.unit): g.unit for g in groups if g.unit is not None}.values():
+        if unit.params_bound():
+            unit.refill_after_write()

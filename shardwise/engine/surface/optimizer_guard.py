@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from shardwise.engine.base import collectives
 from shardwise.engine.core.flat_group import mark_kept_copies_stale
+from shardwise.engine.core.unit import refill_units_stepped
 from shardwise.engine.surface import optimizer_swap
 from shardwise.engine.surface.pieces import Piece
 from shardwise.engine.surface.shard_param import where_of
@@ -104,7 +105,7 @@ def is_elementwise(cls: type) -> bool:
 class _Guard:
     """What is known about one optimizer (kept in ``_GUARDS``)."""
 
-    __slots__ = ("numel", "pieces", "state", "swap", "retirements")
+    __slots__ = ("numel", "pieces", "state", "swap", "retirements", "_groups")
 
     def __init__(self, numel: int, pieces: list, swap: Optional[optimizer_swap.Swap]):
         self.numel = numel
@@ -112,6 +113,13 @@ class _Guard:
         self.pieces = pieces  # [(index in param order, param, FlatGroup, index in group)] of pieces
         self.state = None  # the state dict object last verified: load_state_dict replaces it
         self.swap = swap  # None: the optimizer does not step its parameters itself (a wrapper, a delegator)
+        self._groups = None
+
+    def groups(self) -> list:
+        """The flat groups of the pieces it steps, each once."""
+        if self._groups is None:
+            self._groups = list({id(g): g for _i, _p, g, _gi in self.pieces}.values())
+        return self._groups
 
 
 def _params(optimizer) -> list:
@@ -384,6 +392,9 @@ def _closure_outside_the_swap(optimizer, swap, args, kwargs):
 def after_step(optimizer, args, kwargs) -> None:
     restore_swap(optimizer)
     mark_kept_copies_stale()
+    guard = _GUARDS.get(optimizer)
+    if guard is not None and guard.pieces:  # a step inside a method that binds its unit's gathered parameters
+        refill_units_stepped(guard.groups())
 
 
 _installed = False
