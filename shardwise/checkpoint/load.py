@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from shardwise.engine.checks import agree
+from shardwise.engine.surface.optimizer_guard import show_state_as_pieces
 from shardwise.engine.surface.pieces import local_of
 from shardwise.checkpoint.format import dtype_from_name
 from shardwise.checkpoint.match import alias_map, check_model, decode_option, saved_name_of
@@ -218,3 +219,4 @@ def _load_optimizer(manifest: dict, rt, optimizer: torch.optim.Optimizer, pieces
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, TypeError, RuntimeError) as e:  # torch's own checks; ours should have caught it first
         raise ShardwiseError(f"{type(optimizer).__name__}.load_state_dict refused the checkpoint's state: {e}") from None
+    show_state_as_pieces(optimizer)  # this rank's elements, shown as pieces of their parameters as after a step

@@ -193,6 +193,7 @@ def _optimizer_pieces(fqn: str, shard_param: torch.Tensor, state: dict, tensors:
     for name, value in state.items():
         if name == STAMP_KEY:
             continue  # which rank's piece the state belongs to: a checkpoint reshards, so it does not apply
+        value = local_of(value)  # (between steps optimizer.state shows this rank's elements as pieces)
         if isinstance(value, torch.Tensor):
             if value.dim() == 0:
                 info["scalars"][name] = encode_scalar_tensor(value)

@@ -72,6 +72,7 @@ def _resume_bitwise(rank, world_size, root):
         train_step(model, opt, step, rank, world_size)
     torch.manual_seed(77 + rank)
     save_checkpoint(f"{root}/ck", model, opt, step=2, extra={"rng": torch.get_rng_state(), "rank": rank})
+    saved_state = _state_reads(model, opt)
     expected_noise = torch.rand(3)
     train_step(model, opt, 3, rank, world_size)
     train_step(model, opt, 4, rank, world_size)
@@ -79,18 +80,31 @@ def _resume_bitwise(rank, world_size, root):
 
     model2, opt2 = build(seed=5)
     extra = load_checkpoint(f"{root}/ck", model2, opt2)
+    loaded_state = _state_reads(model2, opt2)  # before the first step, as a loop that logs them reads them
     torch.set_rng_state(extra["rng"])
     assert torch.equal(torch.rand(3), expected_noise)
     train_step(model2, opt2, 3, rank, world_size)
     train_step(model2, opt2, 4, rank, world_size)
     resumed = full_params(model2)
-    return extra["rank"], all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
+    return (extra["rank"], all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted), saved_state,
+            loaded_state)
+
+
+def _state_reads(model, opt) -> list:
+    """What user code reads of ``optimizer.state``: each state tensor's shape (as its parameter's?) and norm."""
+    return [(tuple(t.shape) == tuple(p.shape), float(t.norm()))
+            for p in model.parameters() for t in opt.state[p].values() if t.dim() > 0]
 
 
 def test_same_world_size_resume_is_bitwise(tmp_path):
+    """Also: ``optimizer.state`` reads as the whole state before the save and right after the load (each
+    tensor its parameter's shape, its norm the same on every rank), not as this rank's elements."""
     results = run_distributed(_resume_bitwise, 2, str(tmp_path))
     assert [r[0] for r in results] == [0, 1]  # each rank got its own extra back
     assert results[0][1], "parameters after resume differ from the uninterrupted run"
+    for _rank, _same, saved, loaded in results:
+        assert saved and all(whole for whole, _ in saved) and all(whole for whole, _ in loaded), (saved, loaded)
+        assert loaded == saved == results[0][2], "the loaded state reads as the saved whole state on every rank"
 
 
 def _optimizer_built_before_shard(rank, world_size, root):

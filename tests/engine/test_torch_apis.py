@@ -544,6 +544,22 @@ def functional_call_perturbed(ctx: Ctx, batches):
         opt.zero_grad()
 
 
+def optimizer_state_reads(ctx: Ctx, batches):
+    """``optimizer.state[p]`` read between steps, as logging code and momentum resets do: each momentum
+    buffer's norm and shape, then the first block's buffers zeroed in place."""
+    opt = sgd(ctx.params())
+    for step, batch in enumerate(batches):
+        ctx.loss(batch).backward()
+        opt.step()
+        opt.zero_grad()
+        buffers = [opt.state[p]["momentum_buffer"] for p in ctx.params()]
+        ctx.record(sum(float(b.norm()) for b in buffers))
+        ctx.record(all(b.shape == p.shape for b, p in zip(buffers, ctx.params())))
+        if step == 0:
+            for p in ctx.model.blocks[0].parameters():
+                opt.state[p]["momentum_buffer"].zero_()
+
+
 def reregister_weight(layer):  # a weight re-wrapped as a parameter of its own (a hand-written re-tie)
     layer.weight = torch.nn.Parameter(layer.weight)
 
@@ -631,6 +647,7 @@ ROWS = [
         "was replaced after shardwise.shard()"),
     Row("torch.func.functional_call with perturbed parameters (MAML)", functional_call_perturbed,
         "torch.func.functional_call given tensors other than the model's own parameters"),
+    Row("optimizer.state[p] read and zeroed between steps", optimizer_state_reads),
 ]
 
 # The closed table (issue #27): a parameter and its gradient are the whole tensor to user code. Whole-shape

@@ -16,8 +16,9 @@ changes, or its state is replaced by ``load_state_dict``), so a step costs a dic
   (orthogonalises a matrix), SparseAdam and any unknown class are refused by name, unless the user
   declares the class with ``shardwise.allow_optimizer`` (an explicit opt-in: "this class updates each
   element from that element alone", or "I accept the per-piece result").
-- **whose state it holds**: an optimizer steps each piece's local parameter, so ``optimizer.state`` holds
-  plain tensors of this rank's elements. ``optimizer.state_dict()`` returns them as pieces of their
+- **whose state it holds**: an optimizer steps each piece's local parameter, so during the step
+  ``optimizer.state`` holds plain tensors of this rank's elements; between steps it shows them as pieces of
+  their parameters (optimizer_swap.py). ``optimizer.state_dict()`` returns them as pieces of their
   parameters (``Piece``: the whole tensor to user code, no copy), so, as under DDP, the dict holds the
   whole state: ``torch.save`` of it on every rank writes whole tensors (one agreed all-gather each; on one
   rank alone it is refused by name, as for the model's), and ``load_state_dict`` of a whole state,
@@ -338,6 +339,19 @@ def examine(optimizer) -> _Guard:
         guard = _examine(optimizer)
         _GUARDS[optimizer] = guard
     return guard
+
+
+def show_state_as_pieces(optimizer) -> None:
+    """After ``shardwise.load_checkpoint`` put this rank's elements in ``optimizer.state``: each shown as a piece
+    of its parameter, as after a step (optimizer_swap.state_as_pieces), so reads before the first step see the
+    whole state too."""
+    guard = examine(optimizer)
+    if guard.swap is None or not optimizer_swap.shows_state_as_pieces(optimizer):
+        return
+    for _i, p, _g, _gi in guard.pieces:
+        entry = optimizer.state.get(p)
+        if entry:
+            optimizer_swap.state_as_pieces(entry, p, guard.swap.state_pieces)
 
 
 def restore_swap(optimizer) -> None:

@@ -7,9 +7,9 @@ every shard parameter in ``optimizer.param_groups`` is swapped for its *local pa
 ``nn.Parameter`` over the same memory as the piece's elements, made once by the factory), whose ``.grad`` is
 the plain local gradient, and ``optimizer.state`` is re-keyed from the piece to the local parameter; after
 the step both are swapped back and the local gradients dropped. So torch's own kernels (single-tensor,
-foreach or fused, as torch picks them) run on plain tensors, and optimizer state holds plain local pieces
-(this rank's elements of ``exp_avg``...), as ``shardwise.save_checkpoint`` and per-rank optimizer state dicts
-expect.
+foreach or fused, as torch picks them) run on plain tensors of this rank's elements of ``exp_avg``...;
+between steps each such state tensor is shown in ``optimizer.state`` as a piece of its parameter (the whole
+tensor to user code, as the parameter is; one wrapper per state tensor, made at the first step).
 
 A step that raised leaves the swap in place. Every later way in repairs it first (``restore``): the next step,
 ``state_dict()`` / ``load_state_dict()`` (per-optimizer hooks) and the model's next forward (``restore_all``).
@@ -19,6 +19,9 @@ The repair reads what happened meanwhile: a local gradient set to None (``zero_g
 from __future__ import annotations
 
 import weakref
+from typing import Optional
+
+import torch
 
 from shardwise.engine.surface.pieces import Piece, local_only
 from shardwise.engine.surface.shard_param import local_param, piece_of_local
@@ -30,11 +33,14 @@ class Swap:
     """One optimizer's swap, prepared once per parameter layout of its param groups (optimizer_guard's
     guard holds it): per group, its list of parameters and the same list with local parameters."""
 
-    __slots__ = ("lists", "pairs")
+    __slots__ = ("lists", "pairs", "state_pieces")
 
     def __init__(self, optimizer):
         self.lists = []
         self.pairs = []  # (piece, local) of every shard parameter, in param-group order
+        # (id(piece), state name) -> the piece shown in optimizer.state for that state tensor, made once: torch's
+        # optimizers update their state tensors in place, so a step after the first makes no new wrappers
+        self.state_pieces: dict = {}
         for group in optimizer.param_groups:
             params = group["params"]
             swapped = [_local_or_self(p) for p in params]
@@ -60,7 +66,9 @@ def swap_in(optimizer, swap: Swap) -> None:
     state = optimizer.state
     with local_only():
         for p, local in swap.pairs:
-            _move_state(state, p, local)
+            entry = _move_state(state, p, local)
+            if entry is not None:
+                _state_as_locals(entry, p)
             grad = p.grad
             local.grad = grad._local if isinstance(grad, Piece) else None
     _SWAPPED.add(optimizer)
@@ -74,18 +82,51 @@ def swap_out(optimizer, swap: Swap) -> None:
     state = optimizer.state
     with local_only():
         for p, local in swap.pairs:
-            _move_state(state, local, p)
+            entry = _move_state(state, local, p)
+            if entry is not None and shows_state_as_pieces(optimizer):
+                state_as_pieces(entry, p, swap.state_pieces)
             if local.grad is None and p.grad is not None:
                 p.grad = None
             local.grad = None
     _SWAPPED.discard(optimizer)
 
 
-def _move_state(state: dict, source, target) -> None:
-    """Re-key ``source``'s optimizer state (if any) to ``target``."""
+def _move_state(state: dict, source, target) -> Optional[dict]:
+    """Re-key ``source``'s optimizer state (if any) to ``target``; the entry moved."""
     entry = state.pop(source, None)
     if entry is not None:
         state[target] = entry
+    return entry
+
+
+def shows_state_as_pieces(optimizer) -> bool:
+    """Whether ``optimizer.state`` shows pieces between steps: not an offload optimizer's per-group inner
+    optimizers, whose shared state is the host copy the offload worker steps (it stays this rank's elements,
+    as ``optimizer.state_dict()`` stamps it)."""
+    return not optimizer.__dict__.get("_shardwise_inner")
+
+
+def state_as_pieces(entry: dict, p: Piece, made: dict) -> None:
+    """Between steps, ``optimizer.state[p]``'s tensors of this rank's elements (``exp_avg``, a momentum buffer)
+    are pieces of ``p``'s layout: the whole tensor to user code, as ``p`` is and as ``optimizer.state_dict()``
+    returns them, so ``opt.state[p]["exp_avg"].norm()`` or ``.shape`` is one process's value on every rank,
+    not this rank's 1-D elements. A tensor elsewhere stays as it is. ``made``: the wrappers made so far, by
+    (parameter, state name): torch's optimizers update their state in place, so a step makes none anew."""
+    local = p._local
+    for name, value in entry.items():
+        if (isinstance(value, torch.Tensor) and not isinstance(value, Piece) and value.dim() > 0
+                and value.shape == local.shape and value.device == local.device):
+            piece = made.get((id(p), name))
+            if piece is None or piece._local is not value:
+                piece = made[id(p), name] = Piece(value, p._layout)
+            entry[name] = piece
+
+
+def _state_as_locals(entry: dict, p: Piece) -> None:
+    """For the step: each state piece of ``p``'s layout is its local elements again (what the step updates)."""
+    for name, value in entry.items():
+        if isinstance(value, Piece) and (value._layout is p._layout or value._layout == p._layout):
+            entry[name] = value._local
 
 
 def restore(optimizer, swap: Swap) -> None:
