@@ -38,8 +38,8 @@ class Swap:
     def __init__(self, optimizer):
         self.lists = []
         self.pairs = []  # (piece, local) of every shard parameter, in param-group order
-        # (id(piece), state name) -> the piece shown in optimizer.state for that state tensor, made once: torch's
-        # optimizers update their state tensors in place, so a step after the first makes no new wrappers
+        # id(state tensor) -> the piece shown in optimizer.state for it, made once: torch's optimizers update
+        # their state tensors in place, so a step after the first makes no new wrappers
         self.state_pieces: dict = {}
         for group in optimizer.param_groups:
             params = group["params"]
@@ -110,22 +110,26 @@ def state_as_pieces(entry: dict, p: Piece, made: dict) -> None:
     """Between steps, ``optimizer.state[p]``'s tensors of this rank's elements (``exp_avg``, a momentum buffer)
     are pieces of ``p``'s layout: the whole tensor to user code, as ``p`` is and as ``optimizer.state_dict()``
     returns them, so ``opt.state[p]["exp_avg"].norm()`` or ``.shape`` is one process's value on every rank,
-    not this rank's 1-D elements. A tensor elsewhere stays as it is. ``made``: the wrappers made so far, by
-    (parameter, state name): torch's optimizers update their state in place, so a step makes none anew."""
-    local = p._local
+    not this rank's 1-D elements. A tensor elsewhere stays as it is. ``made``: the wrapper of each state
+    tensor (by its id): torch's optimizers update their state in place, so a step after the first finds them
+    all there and checks nothing else."""
     for name, value in entry.items():
-        if (isinstance(value, torch.Tensor) and not isinstance(value, Piece) and value.dim() > 0
-                and value.shape == local.shape and value.device == local.device):
-            piece = made.get((id(p), name))
-            if piece is None or piece._local is not value:
-                piece = made[id(p), name] = Piece(value, p._layout)
-            entry[name] = piece
+        if type(value) is not torch.Tensor:
+            continue  # (a number, or already a piece)
+        piece = made.get(id(value))
+        if piece is None or piece._local is not value:
+            local = p._local
+            if value.dim() == 0 or value.shape != local.shape or value.device != local.device:
+                continue  # (a scalar such as Adam's step; a copy elsewhere)
+            piece = made[id(value)] = Piece(value, p._layout)
+        entry[name] = piece
 
 
 def _state_as_locals(entry: dict, p: Piece) -> None:
     """For the step: each state piece of ``p``'s layout is its local elements again (what the step updates)."""
+    layout = p._layout
     for name, value in entry.items():
-        if isinstance(value, Piece) and (value._layout is p._layout or value._layout == p._layout):
+        if isinstance(value, Piece) and (value._layout is layout or value._layout == layout):
             entry[name] = value._local
 
 
