@@ -745,7 +745,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.job:
         JOBS[args.job](json.loads(args.spec))
-        return 0
+        # Its records are written and its process group destroyed: leave without the interpreter's teardown,
+        # where gloo's threads can still abort a finished process ("terminate called without an active
+        # exception", seen with plain torch + gloo too: bench/README, the floor run), which would turn a
+        # finished job into a failed one. A job that raised never gets here: its exit code stays 1.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     import torch
 
     if args.device is None:
