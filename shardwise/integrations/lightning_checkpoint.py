@@ -24,7 +24,7 @@ PATH's whole state dict (rank 0's copy, broadcast one flat group at a time). PAT
 with torch.load, so the ranks that do not use its tensors never read them.
 
 ``state_dict_type="sharded"`` (both strategies): PATH's model entry is a marker too, naming a sidecar directory
-that holds the model (an optimizer's, or ``model-<token>/`` when none is saved), and no rank ever holds the
+that holds the model (an optimizer's, or ``model-<i>-<token>/`` when none is saved), and no rank ever holds the
 whole model: what a model too big for one host's memory needs (a 70B model is 140 GB in bf16). One process
 reads such a file after ``consolidate_checkpoint(PATH, OUT)``. With the default ``"full"``, a save that would not
 fit in rank 0's available host memory (``FULL_SAVE_COPIES``) is refused by name before anything is gathered.
@@ -33,6 +33,7 @@ fit in rank 0's available host memory (``FULL_SAVE_COPIES``) is refused by name 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -49,6 +50,17 @@ SIDECAR_SUFFIX = ".shardwise"
 MARKER = "shardwise_sidecar"  # the key of an optimizer's entry in PATH
 MODEL_MARKER = "shardwise_sharded_model"  # the key of a model's entry in PATH, state_dict_type="sharded"
 STATE_DICT_TYPES = ("full", "sharded")
+# The only directory names a save writes into a sidecar (``new_token``: 12 hex digits). A name PATH gives is
+# read only if it is one of these: a file that names "../elsewhere" must not make a load read outside it.
+_DIRECTORY_NAME = re.compile(r"(optimizer|model)-[0-9]+-[0-9a-f]{12}")
+
+
+def _checked_name(name: str) -> str:
+    if not _DIRECTORY_NAME.fullmatch(name):
+        raise ShardwiseError(f"the checkpoint file names sidecar directory {name!r}, which is not a name a shardwise "
+                             f"save writes (optimizer-<i>-<token> or model-<i>-<token>): refused, a checkpoint is "
+                             f"read only inside its own {SIDECAR_SUFFIX} directory")
+    return name
 
 
 def check_state_dict_type(value: Any, owner: str) -> str:
@@ -141,7 +153,7 @@ def model_marker(model: nn.Module, pairs: Sequence[tuple[nn.Module, torch.optim.
 def marked_name(entry: Any) -> Optional[str]:
     """The sidecar directory a model entry of PATH names (``state_dict_type="sharded"``), else None."""
     if is_sharded_placeholder(entry) and isinstance(entry[MODEL_MARKER], str):
-        return entry[MODEL_MARKER]
+        return _checked_name(entry[MODEL_MARKER])
     return None
 
 
@@ -246,7 +258,7 @@ def sidecar_names(path: Path, entries: Optional[Sequence[Any]], count: int) -> l
 def names_in(entries: Optional[Sequence[Any]]) -> list[str]:
     """The sidecar directories PATH's optimizer entries name; [] unless every entry is a marker."""
     names = [e.get(MARKER) if isinstance(e, Mapping) else None for e in entries or ()]
-    return names if all(isinstance(n, str) for n in names) else []
+    return [_checked_name(n) for n in names] if all(isinstance(n, str) for n in names) else []
 
 
 def restore_optimizers(path: Path, names: Sequence[str],
@@ -315,7 +327,7 @@ def consolidate_checkpoint(path: Union[str, os.PathLike], out: Union[str, os.Pat
     if out.resolve() == path.resolve():
         raise ShardwiseError(f"consolidate_checkpoint: out is {path} itself; write the whole-model copy elsewhere")
     checkpoint = read(path, weights_only)
-    sharded = {k: marked_name(v) for k, v in checkpoint.items() if marked_name(v) is not None}
+    sharded = {k: name for k, name in ((k, marked_name(v)) for k, v in checkpoint.items()) if name is not None}
     if not sharded:
         raise ShardwiseError(f"{path} holds no sharded model (it was not saved with state_dict_type='sharded'): "
                              f"it loads in one process as it is")

@@ -423,3 +423,17 @@ def test_a_full_save_rank_0_cannot_hold_is_refused_on_every_rank_before_gatherin
 def test_an_unknown_state_dict_type_is_named(cls):
     with pytest.raises(ShardwiseError, match="state_dict_type='whole'.*'full', 'sharded'"):
         cls(state_dict_type="whole")
+
+
+@pytest.mark.parametrize("entry", [{ckpt.MODEL_MARKER: "../../outside"}, {ckpt.MODEL_MARKER: "model-0-/etc"}])
+def test_a_file_naming_a_directory_outside_its_sidecar_is_refused(tmp_path, entry):
+    """A hostile (or hand-edited) file whose model or optimizer entry names a path out of its sidecar: refused
+    by name before anything there is read, by consolidation and by a restore alike."""
+    path = tmp_path / "run.ckpt"
+    torch.save({"state_dict": entry}, path)
+    with pytest.raises(ShardwiseError, match="not a name a shardwise save writes"):
+        ckpt.consolidate_checkpoint(path, tmp_path / "out.ckpt")
+    assert not (tmp_path / "out.ckpt").exists()
+    with pytest.raises(ShardwiseError, match="not a name a shardwise save writes"):
+        ckpt.names_in([{ckpt.MARKER: "../optimizer-0-0123456789ab"}])
+    assert ckpt.names_in([{ckpt.MARKER: "optimizer-0-0123456789ab"}]) == ["optimizer-0-0123456789ab"]
