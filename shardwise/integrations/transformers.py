@@ -60,18 +60,23 @@ class ShardwiseTrainerMixin:
     ``args.fsdp`` / ``fsdp_config``), ``peft_config`` and ``quantization_config`` (as TRL's SFTTrainer takes
     them; the mixin applies them itself, before sharding)."""
 
-    def __init__(self, model: Any = None, args: Any = None, *more: Any, shard_options: Optional[dict] = None,
-                 peft_config: Any = None, quantization_config: Any = None, **kwargs: Any):
-        if kwargs.get("model_init") is not None:
+    def __init__(self, *given: Any, shard_options: Optional[dict] = None, peft_config: Any = None,
+                 quantization_config: Any = None, **kwargs: Any):
+        # By name, as the trainer takes them: TRL's DPOTrainer and KTOTrainer take ref_model second, args third.
+        bound = _trainer_arguments(type(self), given, kwargs)
+        if bound.arguments.get("model_init") is not None:
             raise ShardwiseError("model_init: a ShardwiseTrainer shards its model once; pass the model, or its "
                                  "directory, as model=")
+        args = bound.arguments.get("args")
         translation = translate(args, dict(shard_options or {}))
         self._shardwise_base = None  # (directory, QuantSettings) of a model read from a directory
-        model = self._shardwise_model(model, args, translation, peft_config, quantization_config)
-        for name in ("peft_config", "quantization_config"):  # applied above; SFTTrainer must not apply them again
-            if name in inspect.signature(super().__init__).parameters:
-                kwargs[name] = None
-        super().__init__(model, translation.hf_args, *more, **kwargs)
+        # Applied here, before sharding: TRL's trainers, which take them too, must not apply them again.
+        peft_config = bound.arguments.pop("peft_config", None) or peft_config
+        quantization_config = bound.arguments.pop("quantization_config", None) or quantization_config
+        bound.arguments["model"] = self._shardwise_model(bound.arguments.get("model"), args, translation, peft_config,
+                                                         quantization_config)
+        bound.arguments["args"] = translation.hf_args
+        super().__init__(*bound.args, **bound.kwargs)
         prepare_model(self.accelerator, self.model)  # refuses an Accelerate set up for FSDP or DeepSpeed
         if agree.rank() == 0:
             print(translation.line(_units_text(self.model)), flush=True)
@@ -214,6 +219,22 @@ for _name, _method in _private_trainer_methods().items():
 
 class ShardwiseTrainer(ShardwiseTrainerMixin, Trainer):
     """Hugging Face ``Trainer`` on a sharded model (see ``ShardwiseTrainerMixin``)."""
+
+
+def _trainer_arguments(cls: type, given: tuple, kwargs: dict) -> inspect.BoundArguments:
+    """The arguments of a ``ShardwiseTrainerMixin`` subclass's construction, bound by name to the ``__init__``
+    of the first class after the mixin that names both ``model`` and ``args`` (the trainer itself; a subclass
+    in between that passes ``*args, **kwargs`` on is looked through)."""
+    after = cls.__mro__[cls.__mro__.index(ShardwiseTrainerMixin) + 1:]
+    for base in after:
+        signature = inspect.signature(base.__init__)
+        if {"model", "args"} <= set(signature.parameters):
+            break
+    else:
+        raise ShardwiseError(f"{cls.__name__}: ShardwiseTrainerMixin goes first among the bases of a transformers "
+                             f"Trainer (a class whose __init__ takes model= and args=); found none after it")
+    signature = signature.replace(parameters=list(signature.parameters.values())[1:])  # without self
+    return signature.bind_partial(*given, **kwargs)
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:

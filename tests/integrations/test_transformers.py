@@ -10,6 +10,7 @@ the same Trainer's own DDP run on the same data (gloo, CPU).
   same seed: the same initial adapters).
 - TRL's SFTTrainer with its defaults (bf16 autocast, gradient checkpointing, lr 2e-5) behind the mixin: within
   BF16_RTOL of DDP's (losses and weight updates).
+- TRL's DPOTrainer (whose __init__ takes ref_model second, args third), fp32: DDP's losses and saved model.
 - QLoRA: ``BitsAndBytesConfig(load_in_4bit=True)`` becomes shardwise's 4-bit base (bitsandbytes never imported).
 - Every private Trainer method the mixin replaces still exists with the parameters it was written for.
 
@@ -216,6 +217,50 @@ def _sft_vs_ddp(rank: int, world: int, root: str, model_dir: str) -> dict:
     return out
 
 
+def _dpo(kind: str, root: str, model_dir: str, name: str) -> dict:
+    """TRL's DPOTrainer called as its docs call it (model=, args=; its __init__ takes ref_model second, args
+    third): ref_model None, so TRL builds the reference from the model's directory."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from shardwise.integrations.transformers import ShardwiseTrainerMixin
+
+    class ShardwiseDPOTrainer(ShardwiseTrainerMixin, DPOTrainer):
+        pass
+
+    data = Dataset.from_dict(_preferences())
+    args = DPOConfig(output_dir=os.path.join(root, name), max_steps=2, per_device_train_batch_size=2, report_to=[],
+                     use_cpu=True, disable_tqdm=True, logging_steps=1, save_strategy="no", seed=0, bf16=False,
+                     dataloader_num_workers=0, max_length=24, learning_rate=1e-3)
+    cls = DPOTrainer if kind == "ddp" else ShardwiseDPOTrainer
+    trainer = cls(model=model_dir, args=args, train_dataset=data,
+                  processing_class=AutoTokenizer.from_pretrained(model_dir))
+    trainer.train()
+    trainer.save_model(os.path.join(root, name, "final"))
+    return {"history": _history(trainer), "wrapper": type(trainer.model_wrapped).__name__,
+            "ref": type(trainer.ref_model).__name__}
+
+
+def _dpo_vs_ddp(rank: int, world: int, root: str, model_dir: str) -> dict:
+    runs = {kind: _dpo(kind, root, model_dir, f"dpo-{kind}-{world}") for kind in ("ddp", "shardwise")}
+    out = {"history_rel": _history_rel(runs["ddp"]["history"], runs["shardwise"]["history"]),
+           "steps": len(runs["shardwise"]["history"]), "ref": runs["shardwise"]["ref"],
+           "wrappers": (runs["ddp"]["wrapper"], runs["shardwise"]["wrapper"])}
+    if rank == 0:
+        out["saved_rel"] = _files_rel(*(os.path.join(root, f"dpo-{kind}-{world}", "final") for kind in ("shardwise", "ddp")))
+    return out
+
+
+def _preferences(n: int = 16) -> dict:
+    """Prompts, chosen and rejected answers in the corpus's words."""
+    from hf_dirs import CORPUS
+
+    words = " ".join(CORPUS).split()
+    rows = [" ".join(words[(7 * i + k) % len(words)] for k in range(m)) for i in range(n) for m in (4, 5, 6)]
+    return {"prompt": rows[0::3], "chosen": rows[1::3], "rejected": rows[2::3]}
+
+
 def _qlora(rank: int, world: int, root: str, model_dir: str) -> dict:
     from transformers import BitsAndBytesConfig
 
@@ -299,6 +344,7 @@ def _scenarios(rank: int, world: int, root: str, model_dir: str) -> dict:
         "trainer": lambda r, w: _trainer_vs_ddp(r, w, root, model_dir),
         "lora": lambda r, w: _lora_vs_ddp(r, w, root, model_dir),
         "sft": lambda r, w: _sft_vs_ddp(r, w, root, model_dir),
+        "dpo": lambda r, w: _dpo_vs_ddp(r, w, root, model_dir),
         "qlora": lambda r, w: _qlora(r, w, root, model_dir),
         "refusals": lambda r, w: _refusals(r, w, root, model_dir),
         "fsdp_args": lambda r, w: _fsdp_args(r, w, root, model_dir),
@@ -360,6 +406,16 @@ def test_sft_trainer_with_trls_defaults_is_ddps_within_bf16(world, dirs):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_dpo_trainer_is_ddps(world, dirs):
+    """DPOTrainer takes ref_model second and args third: the mixin passes each on by name (it once handed
+    args= to DPOTrainer as ref_model, and DPOTrainer built its default DPOConfig)."""
+    r = scenario(_report(world, *dirs)[0], "dpo")
+    assert r["wrappers"] == ("DistributedDataParallel", "LlamaForCausalLM") and r["ref"] == "LlamaForCausalLM", r
+    # the gradient norm sums the ranks' pieces in another order than torch's norm of whole gradients (2e-7)
+    assert r["steps"] == 2 and r["history_rel"] <= 1e-6 and r["saved_rel"] <= FP32_RTOL[world], r
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_qlora_through_bitsandbytes_config_is_shardwises_4bit_base(world, dirs):
     r = scenario(_report(world, *dirs)[0], "qlora")
     assert r["quant_linears"] == 14 and not r["bitsandbytes_importable"], r
@@ -418,3 +474,27 @@ def test_the_trainer_methods_the_mixin_replaces_still_exist_as_written():
         theirs = getattr(Trainer, name, None)
         assert theirs is not None, f"transformers.Trainer.{name} is gone: shardwise.integrations.transformers replaces it"
         assert list(inspect.signature(theirs).parameters) == list(inspect.signature(ours).parameters), name
+
+
+def test_the_mixin_passes_a_trainers_arguments_on_by_name():
+    """DPOTrainer(model, ref_model, args, ...): positional or by keyword, args is args (transformers' Trainer takes
+    it second); a subclass in between that passes ``*args, **kwargs`` on is looked through."""
+    pytest.importorskip("trl")
+    from trl import DPOTrainer
+
+    from shardwise.integrations.transformers import ShardwiseTrainerMixin, _trainer_arguments
+
+    class ShardwiseDPOTrainer(ShardwiseTrainerMixin, DPOTrainer):
+        pass
+
+    class Passing(DPOTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    class ShardwisePassing(ShardwiseTrainerMixin, Passing):
+        pass
+
+    for cls in (ShardwiseDPOTrainer, ShardwisePassing):
+        for given, kwargs in ((("m", "ref", "cfg"), {}), (("m",), {"args": "cfg"}), ((), {"model": "m", "args": "cfg"})):
+            arguments = _trainer_arguments(cls, given, kwargs).arguments
+            assert (arguments["model"], arguments["args"]) == ("m", "cfg"), (cls, given, kwargs)
