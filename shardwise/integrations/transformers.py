@@ -12,7 +12,8 @@ What the mixin changes in the Trainer's own DDP run, and why:
 
 - **The model.** A model directory (a path) is built on the meta device and each rank reads only its own
   bytes (``hf/sharded_load.py``: no rank holds a full copy, the usual complaint about FSDP in these
-  frameworks); a model object is sharded (each rank keeps its slices); a sharded model is taken as it is.
+  frameworks), in the dtype the trainer would read it in (TRL's: float32 unless ``model_init_kwargs`` names one);
+  a model object is sharded (each rank keeps its slices); a sharded model is taken as it is.
   ``peft_config`` (a peft ``LoraConfig``) wraps the model before it is sharded; ``quantization_config``
   (``BitsAndBytesConfig(load_in_4bit=True)``, or TRL's ``model_init_kwargs``) makes the base shardwise's
   4-bit ``QuantLinear`` (bitsandbytes is not needed). ``TrainingArguments``' FSDP settings become
@@ -99,7 +100,10 @@ class ShardwiseTrainerMixin:
         # As TRL does before it builds the model: peft draws the adapters' init from the seeded generator.
         set_seed(args.seed if args is not None else 42)
         if isinstance(model, (str, os.PathLike)):
-            dtype = init_kwargs.pop("dtype", init_kwargs.pop("torch_dtype", "auto"))
+            # TRL's trainers (their configs carry model_init_kwargs) read a directory in float32 unless told
+            # otherwise (trl's create_model_from_path); a Trainer user's from_pretrained reads "auto".
+            default_dtype = "float32" if hasattr(args, "model_init_kwargs") else "auto"
+            dtype = init_kwargs.pop("dtype", init_kwargs.pop("torch_dtype", default_dtype))
             attn = init_kwargs.pop("attn_implementation", None)
             _refuse_unknown_init_kwargs(init_kwargs)
             loaded = load_sharded(model, peft_config=peft_config, quantization_config=quantization_config,

@@ -10,7 +10,8 @@ the same Trainer's own DDP run on the same data (gloo, CPU).
   same seed: the same initial adapters).
 - TRL's SFTTrainer with its defaults (bf16 autocast, gradient checkpointing, lr 2e-5) behind the mixin: within
   BF16_RTOL of DDP's (losses and weight updates).
-- TRL's DPOTrainer (whose __init__ takes ref_model second, args third), fp32: DDP's losses and saved model.
+- TRL's DPOTrainer (whose __init__ takes ref_model second, args third), fp32: DDP's losses and saved model;
+  a bf16 directory read in the dtype TRL reads it in (float32 unless model_init_kwargs says otherwise).
 - QLoRA: ``BitsAndBytesConfig(load_in_4bit=True)`` becomes shardwise's 4-bit base (bitsandbytes never imported).
 - Every private Trainer method the mixin replaces still exists with the parameters it was written for.
 
@@ -36,6 +37,7 @@ from hf_dirs import make_model_dir
 from parity_utils import run_scenarios, scenario, spawn_once
 
 SEQ, VOCAB_USED = 16, 300
+BF16_DIR = "llama-bf16"  # beside the fp32 model directory: the same model stored in bf16, as most checkpoints are
 STEPS, SAVE_AT = 4, 2
 # TRL's defaults compute every matmul in bf16 (autocast) from the same fp32 weights in both runs: the losses
 # come out bitwise, the weight updates (3 AdamW steps at lr 2e-5, clipped at 1.0) 1.5e-6 apart, relative to
@@ -261,6 +263,26 @@ def _preferences(n: int = 16) -> dict:
     return {"prompt": rows[0::3], "chosen": rows[1::3], "rejected": rows[2::3]}
 
 
+def _trl_dtypes(rank: int, world: int, root: str, model_dir: str) -> dict:
+    """The dtype each TRL trainer reads a bf16 model directory in, ours and TRL's own (construction only)."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from shardwise.integrations.transformers import ShardwiseTrainerMixin
+
+    class ShardwiseSFTTrainer(ShardwiseTrainerMixin, SFTTrainer):
+        pass
+
+    out = {}
+    for cls in (SFTTrainer, ShardwiseSFTTrainer):
+        for init_kwargs in (None, {"dtype": "bfloat16"}):
+            args = SFTConfig(output_dir=os.path.join(root, f"dtype-{world}"), report_to=[], use_cpu=True, bf16=False,
+                             model_init_kwargs=init_kwargs)
+            trainer = cls(model=os.path.join(root, BF16_DIR), args=args, train_dataset=Dataset.from_dict({"text": ["a b"]}))
+            out[f"{cls.__name__} {init_kwargs}"] = sorted({str(p.dtype) for p in trainer.model.parameters()})
+    return out
+
+
 def _qlora(rank: int, world: int, root: str, model_dir: str) -> dict:
     from transformers import BitsAndBytesConfig
 
@@ -345,6 +367,7 @@ def _scenarios(rank: int, world: int, root: str, model_dir: str) -> dict:
         "lora": lambda r, w: _lora_vs_ddp(r, w, root, model_dir),
         "sft": lambda r, w: _sft_vs_ddp(r, w, root, model_dir),
         "dpo": lambda r, w: _dpo_vs_ddp(r, w, root, model_dir),
+        "trl_dtypes": lambda r, w: _trl_dtypes(r, w, root, model_dir),
         "qlora": lambda r, w: _qlora(r, w, root, model_dir),
         "refusals": lambda r, w: _refusals(r, w, root, model_dir),
         "fsdp_args": lambda r, w: _fsdp_args(r, w, root, model_dir),
@@ -354,6 +377,7 @@ def _scenarios(rank: int, world: int, root: str, model_dir: str) -> dict:
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer")
+    make_model_dir(str(root / BF16_DIR), "llama", dtype=torch.bfloat16)
     return str(root), make_model_dir(str(root / "llama"), "llama")
 
 
@@ -413,6 +437,15 @@ def test_dpo_trainer_is_ddps(world, dirs):
     assert r["wrappers"] == ("DistributedDataParallel", "LlamaForCausalLM") and r["ref"] == "LlamaForCausalLM", r
     # the gradient norm sums the ranks' pieces in another order than torch's norm of whole gradients (2e-7)
     assert r["steps"] == 2 and r["history_rel"] <= 1e-6 and r["saved_rel"] <= FP32_RTOL[world], r
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_trl_trainers_read_a_directory_in_the_dtype_trl_reads_it(world, dirs):
+    """TRL reads a directory in float32 unless model_init_kwargs names a dtype (from_pretrained's "auto" would
+    train a bf16 checkpoint's weights in bf16)."""
+    r = scenario(_report(world, *dirs)[0], "trl_dtypes")
+    assert r["SFTTrainer None"] == r["ShardwiseSFTTrainer None"] == ["torch.float32"], r
+    assert r["SFTTrainer {'dtype': 'bfloat16'}"] == r["ShardwiseSFTTrainer {'dtype': 'bfloat16'}"] == ["torch.bfloat16"], r
 
 
 @pytest.mark.parametrize("world", WORLDS)
