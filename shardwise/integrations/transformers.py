@@ -13,7 +13,8 @@ What the mixin changes in the Trainer's own DDP run, and why:
 - **The model.** A model directory (a path) is built on the meta device and each rank reads only its own
   bytes (``hf/sharded_load.py``: no rank holds a full copy, the usual complaint about FSDP in these
   frameworks), in the dtype the trainer would read it in (TRL's: float32 unless ``model_init_kwargs`` names one);
-  a model object is sharded (each rank keeps its slices); a sharded model is taken as it is.
+  TRL's RewardTrainer builds a sequence classifier whose score head is in no file: read whole, as TRL reads
+  it, then sharded (``_whole_reward_model``); a model object is sharded (each rank keeps its slices); a sharded model is taken as it is.
   ``peft_config`` (a peft ``LoraConfig``) wraps the model before it is sharded; ``quantization_config``
   (``BitsAndBytesConfig(load_in_4bit=True)``, or TRL's ``model_init_kwargs``) makes the base shardwise's
   4-bit ``QuantLinear`` (bitsandbytes is not needed). ``TrainingArguments``' FSDP settings become
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -106,10 +108,14 @@ class ShardwiseTrainerMixin:
             dtype = init_kwargs.pop("dtype", init_kwargs.pop("torch_dtype", default_dtype))
             attn = init_kwargs.pop("attn_implementation", None)
             _refuse_unknown_init_kwargs(init_kwargs)
-            loaded = load_sharded(model, peft_config=peft_config, quantization_config=quantization_config,
-                                  dtype=dtype, attn_implementation=attn, **options)
-            self._shardwise_base = (str(model), quant_settings_of(model, quantization_config))
-            return loaded
+            if _builds_reward_model(type(self)):
+                model = _whole_reward_model(model, dtype, attn, quantization_config)
+                quantization_config = None
+            else:
+                loaded = load_sharded(model, peft_config=peft_config, quantization_config=quantization_config,
+                                      dtype=dtype, attn_implementation=attn, **options)
+                self._shardwise_base = (str(model), quant_settings_of(model, quantization_config))
+                return loaded
         if not isinstance(model, nn.Module):
             raise ShardwiseError(f"model: expected a model, its directory or a sharded model, got {type(model).__name__}")
         if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_loaded_in_4bit", False):
@@ -244,6 +250,28 @@ def _trainer_arguments(cls: type, given: tuple, kwargs: dict) -> inspect.BoundAr
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` (its public ``optimizer``)."""
     return getattr(optimizer, "optimizer", optimizer)
+
+
+def _builds_reward_model(cls: type) -> bool:
+    """Whether ``cls`` is TRL's RewardTrainer, which reads a model directory as a sequence classifier."""
+    trl = sys.modules.get("trl")  # not imported: cls cannot be one of its trainers
+    return trl is not None and issubclass(cls, trl.RewardTrainer)
+
+
+def _whole_reward_model(directory: Any, dtype: Any, attn: Optional[str], quantization_config: Any) -> nn.Module:
+    """What TRL's RewardTrainer builds from a directory: ``AutoModelForSequenceClassification`` with
+    ``num_labels=1``, its score head new (drawn from the generator seeded with ``args.seed``, as TRL draws it),
+    read whole by every rank as under DDP, then sharded by the caller. ``load_sharded`` cannot build it: the
+    head is in no file."""
+    from transformers import AutoModelForSequenceClassification
+
+    if quantization_config is not None:
+        raise ShardwiseError("quantization_config: shardwise's 4-bit base is built for causal LMs read from a directory; "
+                             "a RewardTrainer's sequence classifier is read whole: drop quantization_config")
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype)
+    kwargs = {} if attn is None else {"attn_implementation": attn}
+    return AutoModelForSequenceClassification.from_pretrained(directory, num_labels=1, dtype=dtype, **kwargs)
 
 
 def _refuse_unknown_init_kwargs(init_kwargs: dict) -> None:

@@ -10,7 +10,9 @@ the same Trainer's own DDP run on the same data (gloo, CPU).
   same seed: the same initial adapters).
 - TRL's SFTTrainer with its defaults (bf16 autocast, gradient checkpointing, lr 2e-5) behind the mixin: within
   BF16_RTOL of DDP's (losses and weight updates).
-- TRL's DPOTrainer (whose __init__ takes ref_model second, args third), fp32: DDP's losses and saved model;
+- TRL's DPOTrainer (whose __init__ takes ref_model second, args third) and RewardTrainer from a causal LM's
+  directory (TRL's sequence classifier, its new score head drawn as TRL draws it), fp32: DDP's losses and
+  saved model;
   a bf16 directory read in the dtype TRL reads it in (float32 unless model_init_kwargs says otherwise).
 - QLoRA: ``BitsAndBytesConfig(load_in_4bit=True)`` becomes shardwise's 4-bit base (bitsandbytes never imported).
 - Every private Trainer method the mixin replaces still exists with the parameters it was written for.
@@ -263,6 +265,40 @@ def _preferences(n: int = 16) -> dict:
     return {"prompt": rows[0::3], "chosen": rows[1::3], "rejected": rows[2::3]}
 
 
+def _reward(kind: str, root: str, model_dir: str, name: str) -> dict:
+    """TRL's RewardTrainer from a causal LM's directory: TRL builds a sequence classifier (num_labels=1, a new
+    score head drawn after set_seed(args.seed))."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import RewardConfig, RewardTrainer
+
+    from shardwise.integrations.transformers import ShardwiseTrainerMixin
+
+    class ShardwiseRewardTrainer(ShardwiseTrainerMixin, RewardTrainer):
+        pass
+
+    rows = _preferences()
+    data = Dataset.from_dict({k: [p + " " + a for p, a in zip(rows["prompt"], rows[k])] for k in ("chosen", "rejected")})
+    args = RewardConfig(output_dir=os.path.join(root, name), max_steps=2, per_device_train_batch_size=2, report_to=[],
+                        use_cpu=True, disable_tqdm=True, logging_steps=1, save_strategy="no", seed=0, bf16=False,
+                        dataloader_num_workers=0, max_length=24, learning_rate=1e-3)
+    cls = RewardTrainer if kind == "ddp" else ShardwiseRewardTrainer
+    trainer = cls(model=model_dir, args=args, train_dataset=data, processing_class=AutoTokenizer.from_pretrained(model_dir))
+    trainer.train()
+    trainer.save_model(os.path.join(root, name, "final"))
+    return {"history": _history(trainer), "model": type(trainer.accelerator.unwrap_model(trainer.model)).__name__}
+
+
+def _reward_vs_ddp(rank: int, world: int, root: str, model_dir: str) -> dict:
+    runs = {kind: _reward(kind, root, model_dir, f"reward-{kind}-{world}") for kind in ("ddp", "shardwise")}
+    out = {"history_rel": _history_rel(runs["ddp"]["history"], runs["shardwise"]["history"]),
+           "steps": len(runs["shardwise"]["history"]), "models": (runs["ddp"]["model"], runs["shardwise"]["model"])}
+    if rank == 0:
+        out["saved_rel"] = _files_rel(*(os.path.join(root, f"reward-{kind}-{world}", "final")
+                                        for kind in ("shardwise", "ddp")))
+    return out
+
+
 def _trl_dtypes(rank: int, world: int, root: str, model_dir: str) -> dict:
     """The dtype each TRL trainer reads a bf16 model directory in, ours and TRL's own (construction only)."""
     from datasets import Dataset
@@ -367,6 +403,7 @@ def _scenarios(rank: int, world: int, root: str, model_dir: str) -> dict:
         "lora": lambda r, w: _lora_vs_ddp(r, w, root, model_dir),
         "sft": lambda r, w: _sft_vs_ddp(r, w, root, model_dir),
         "dpo": lambda r, w: _dpo_vs_ddp(r, w, root, model_dir),
+        "reward": lambda r, w: _reward_vs_ddp(r, w, root, model_dir),
         "trl_dtypes": lambda r, w: _trl_dtypes(r, w, root, model_dir),
         "qlora": lambda r, w: _qlora(r, w, root, model_dir),
         "refusals": lambda r, w: _refusals(r, w, root, model_dir),
@@ -436,6 +473,13 @@ def test_dpo_trainer_is_ddps(world, dirs):
     r = scenario(_report(world, *dirs)[0], "dpo")
     assert r["wrappers"] == ("DistributedDataParallel", "LlamaForCausalLM") and r["ref"] == "LlamaForCausalLM", r
     # the gradient norm sums the ranks' pieces in another order than torch's norm of whole gradients (2e-7)
+    assert r["steps"] == 2 and r["history_rel"] <= 1e-6 and r["saved_rel"] <= FP32_RTOL[world], r
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_reward_trainer_from_a_directory_builds_trls_sequence_classifier_and_is_ddps(world, dirs):
+    r = scenario(_report(world, *dirs)[0], "reward")
+    assert r["models"] == ("LlamaForSequenceClassification",) * 2, r
     assert r["steps"] == 2 and r["history_rel"] <= 1e-6 and r["saved_rel"] <= FP32_RTOL[world], r
 
 
