@@ -451,18 +451,18 @@ def safetensors_save(model, side):
     return dict(loaded=load_file(path) if side.rank == 0 else {})
 
 
-def save_pretrained(everywhere: bool):
+def save_pretrained(everywhere: bool, extra: Callable[[nn.Module], dict] = lambda inner: {}):
     """transformers' no-trainer examples: ``unwrapped.save_pretrained(dir, is_main_process=...)`` on every
-    rank; or guarded by ``if rank == 0`` around the whole call."""
+    rank (with ``extra(unwrapped)``'s keywords); or guarded by ``if rank == 0`` around the whole call."""
 
     def run(model, side):
         from transformers import GPT2LMHeadModel
 
         model = side.wrap(model, units=None)
         inner = model.module if not side.sharded else model
-        out = f"{side.tmp}/{side.name}-{side.strategy}-{everywhere}"
+        out = f"{side.tmp}/{side.name}-{side.strategy}-{everywhere}-{sorted(extra(inner))}"
         if everywhere:
-            inner.save_pretrained(out, is_main_process=side.rank == 0)
+            inner.save_pretrained(out, is_main_process=side.rank == 0, **extra(inner))
         elif side.rank == 0:
             inner.save_pretrained(out)
         x, y = next(side.batches(steps=1, seq=6))
@@ -607,6 +607,16 @@ ROWS: dict[str, Row] = {
     "save_pretrained on every rank": Row(hf_gpt2, save_pretrained(True)),
     "save_pretrained on rank 0 only": Row(hf_gpt2, save_pretrained(False), alone=True,
                                           refused="ranks [0] are at save_whole_model"),
+    # trainers and loops of others (Accelerate): run_clm_no_trainer passes save_function=accelerator.save, which
+    # transformers 5 ignores; Accelerate's FSDP guide passes state_dict=accelerator.get_state_dict(model), the
+    # model's own state dict (a copy of it is another state dict, which the streamed writer does not write)
+    "save_pretrained(save_function=accelerator.save)": Row(hf_gpt2, save_pretrained(
+        True, lambda inner: {"save_function": lambda obj, f: torch.save(obj, f)})),
+    "save_pretrained(state_dict=the model's own)": Row(hf_gpt2, save_pretrained(
+        True, lambda inner: {"state_dict": inner.state_dict()})),
+    "save_pretrained(state_dict=a copy)": Row(hf_gpt2, save_pretrained(
+        True, lambda inner: {"state_dict": {k: v.clone() for k, v in inner.state_dict().items()}}),
+        refused="this state dict is not the model's own"),
     # penalties written from the parameters
     "F.mse_loss penalty": Row(gpt, penalty(lambda p, p0: F.mse_loss(p, p0))),
     "F.l1_loss penalty": Row(gpt, penalty(lambda p, p0: F.l1_loss(p, p0))),
