@@ -138,6 +138,7 @@ def shard(
     runtime.before_forward.append(optimizer_swap.restore_all)  # a step that raised left its swap (optimizer_swap.py)
     whole_model_saves.install(model)  # model.save_pretrained(dir) writes the whole model, streamed
     ddp_idioms.install(model)  # model.no_sync(), model.require_backward_grad_sync, model.module
+    optimizer_guard.adopt_in_live_optimizers()  # an optimizer built before shard() holds the parameters now
     if broadcast_buffers and pgs.data_parallel_size > 1:
         sync = BufferBroadcast(model, runtime)
         if sync.buffers:
@@ -148,8 +149,8 @@ def shard(
 def _retire_originals(groups: list[FlatGroup]) -> None:
     """Retire the original parameter objects once the shards are filled: their memory is released, and an
     optimizer that still holds them (built before shard, as nanoGPT builds it before wrapping in DDP) takes
-    their shard parameters at its first step (optimizer_guard.py), or is refused by name if it already
-    holds state for them, instead of silently doing nothing."""
+    their shard parameters at the end of shard(), or at its first step where it holds state for them
+    (optimizer_guard.py), instead of silently doing nothing."""
     for g in groups:
         for spec, shard_param in zip(g.plan.params, g.shard_params):
             old = spec.refs[0].module._parameters[spec.refs[0].name]

@@ -34,6 +34,7 @@ changes, or its state is replaced by ``load_state_dict``), so a step costs a dic
 
 from __future__ import annotations
 
+import gc
 import inspect
 import weakref
 import zlib
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.engine.base import collectives
+from shardwise.engine.base.torch_internals import optimizer_ever_built
 from shardwise.engine.core.flat_group import mark_kept_copies_stale
 from shardwise.engine.core.unit import refill_units_stepped
 from shardwise.engine.surface import optimizer_swap
@@ -125,6 +127,28 @@ class _Guard:
 
 def _params(optimizer) -> list:
     return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def adopt_in_live_optimizers() -> None:
+    """At ``shard()``: every optimizer alive in this process that holds retired parameters and no state for
+    them takes their shard parameters now, not at its first step, so code between ``shard()`` and that step
+    reads the model's parameters from ``optimizer.param_groups`` as under DDP: clipping over the groups' params
+    before the first step (otherwise ``None`` gradients, no clipping, another model), counting them, their
+    shapes. An optimizer holding state for them is left to its first step, whose adoption agrees the state
+    across ranks (a collective: the optimizers found here may differ by rank, uncollected garbage included).
+    Found by a walk of the garbage collector's objects, once per ``shard()``: an optimizer is not otherwise
+    reachable from the model."""
+    if not optimizer_ever_built():  # the walk costs ~0.2 s at half a million objects
+        return
+    for obj in gc.get_objects():
+        # (type(), not isinstance: isinstance reads __class__, which some module proxies answer with a warning)
+        if issubclass(type(obj), torch.optim.Optimizer) and not _holds_state_of_retired(obj):
+            adopt_successors(obj)
+
+
+def _holds_state_of_retired(optimizer) -> bool:
+    state = getattr(optimizer, "state", None) or {}
+    return any(getattr(p, "_shardwise_retired", None) is not None and state.get(p) for p in state)
 
 
 def adopt_successors(optimizer) -> None:
