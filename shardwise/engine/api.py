@@ -51,8 +51,9 @@ def shard(
     """Shard ``model`` in place across the ranks of ``mesh`` (default: the whole world) and return it.
 
     Args:
-        units: what becomes a unit (one all-gather / reduce-scatter each): a set of module classes, a
-            callable ``(module) -> bool``, ``"auto"`` (Hugging Face ``_no_split_modules``, else the children
+        units: what becomes a unit (one all-gather / reduce-scatter each): a set of module classes, the
+            modules themselves (``list(model.layers)``, as FSDP2 users call ``fully_shard`` on each layer; a
+            module or classes and modules mixed), a callable ``(module) -> bool``, ``"auto"`` (Hugging Face ``_no_split_modules``, else the children
             of the largest ``nn.ModuleList``; a model with neither, a CNN or an MLP, becomes one unit, with a
             warning; and a Hugging Face model's input embedding, a unit of its own unless it is tied to the
             head), ``"auto+head"`` (the same, and the untied output head a unit too: for code whose loss calls
@@ -82,8 +83,9 @@ def shard(
             statistics, ...), as DDP does by default, so that ranks evaluate alike and checkpoints hold what
             every rank used. ``False`` keeps each rank's own buffers.
 
-    After this call ``model.parameters()`` are the 1-D local shards (names unchanged); build the optimizer
-    from them. During a unit's forward its parameters are full-shape views of a gathered buffer. The model
+    After this call ``model.parameters()`` are the model's parameters, each holding this rank's elements and
+    showing the whole parameter's shape to user code (README, "what a parameter is"; names unchanged); build
+    the optimizer from them (one built before takes them when this returns). During a unit's forward its parameters are full-shape views of a gathered buffer. The model
     answers DDP's idioms itself (ddp_idioms.py): ``model.no_sync()``, ``model.require_backward_grad_sync``;
     ``model.module`` is a named error (there is no wrapper: use the model).
     """
