@@ -131,7 +131,7 @@ def shard(
     warn_if_backward_inputs_unseen()  # a torch that cannot show us backward(inputs=...) says so once
     groups = list(flat_groups.values())
     initial_weights.fill(model, groups, compute_device, sync_module_states, param_init_fn, runtime.checker)
-    _retire_originals(groups)
+    retired = _retire_originals(groups)
     runtime.units = [Unit(up, [flat_groups[id(gp)] for gp in up.groups], runtime) for up in plan.units]
     _install_hooks(model, runtime, activation_checkpointing)
     refuse_wrappers(model)  # DDP (Accelerate's prepare), fully_shard would redo the sharding on the pieces
@@ -140,7 +140,7 @@ def shard(
     runtime.before_forward.append(optimizer_swap.restore_all)  # a step that raised left its swap (optimizer_swap.py)
     whole_model_saves.install(model)  # model.save_pretrained(dir) writes the whole model, streamed
     ddp_idioms.install(model)  # model.no_sync(), model.require_backward_grad_sync, model.module
-    optimizer_guard.adopt_in_live_optimizers()  # an optimizer built before shard() holds the parameters now
+    optimizer_guard.adopt_in_live_optimizers(retired)  # an optimizer built before shard() holds them now
     if broadcast_buffers and pgs.data_parallel_size > 1:
         sync = BufferBroadcast(model, runtime)
         if sync.buffers:
@@ -148,11 +148,12 @@ def shard(
     return model
 
 
-def _retire_originals(groups: list[FlatGroup]) -> None:
+def _retire_originals(groups: list[FlatGroup]) -> list[nn.Parameter]:
     """Retire the original parameter objects once the shards are filled: their memory is released, and an
     optimizer that still holds them (built before shard, as nanoGPT builds it before wrapping in DDP) takes
     their shard parameters at the end of shard(), or at its first step where it holds state for them
-    (optimizer_guard.py), instead of silently doing nothing."""
+    (optimizer_guard.py), instead of silently doing nothing. Returns the retired parameters."""
+    retired = []
     for g in groups:
         for spec, shard_param in zip(g.plan.params, g.shard_params):
             old = spec.refs[0].module._parameters[spec.refs[0].name]
@@ -160,7 +161,9 @@ def _retire_originals(groups: list[FlatGroup]) -> None:
             old.data = torch.empty(0, dtype=old.dtype, device=old.device)
             old._shardwise_retired = spec.fqn
             old._shardwise_successor = weakref.ref(shard_param)
+            retired.append(old)
     optimizer_guard.install()  # retired parameters, optimizer classes, whose state (optimizer_guard.py)
+    return retired
 
 
 def _eager(hook: Callable) -> Callable:
