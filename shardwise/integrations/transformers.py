@@ -12,9 +12,10 @@ What the mixin changes in the Trainer's own DDP run, and why:
 
 - **The model.** A model directory (a path) is built on the meta device and each rank reads only its own
   bytes (``hf/sharded_load.py``: no rank holds a full copy, the usual complaint about FSDP in these
-  frameworks), in the dtype the trainer would read it in (TRL's: float32 unless ``model_init_kwargs`` names one);
-  TRL's RewardTrainer builds a sequence classifier whose score head is in no file: read whole, as TRL reads
-  it, then sharded (``_whole_reward_model``); a model object is sharded (each rank keeps its slices); a sharded model is taken as it is.
+  frameworks), in the dtype the trainer would read it in (TRL's: float32 unless ``model_init_kwargs`` names
+  one); TRL's RewardTrainer builds a sequence classifier whose score head is in no file: read whole, as TRL
+  reads it, then sharded (``_whole_reward_model``). A model object is sharded (each rank keeps its slices); a
+  sharded model is taken as it is.
   ``peft_config`` (a peft ``LoraConfig``) wraps the model before it is sharded; ``quantization_config``
   (``BitsAndBytesConfig(load_in_4bit=True)``, or TRL's ``model_init_kwargs``) makes the base shardwise's
   4-bit ``QuantLinear`` (bitsandbytes is not needed). ``TrainingArguments``' FSDP settings become
@@ -266,8 +267,8 @@ def _whole_reward_model(directory: Any, dtype: Any, attn: Optional[str], quantiz
     from transformers import AutoModelForSequenceClassification
 
     if quantization_config is not None:
-        raise ShardwiseError("quantization_config: shardwise's 4-bit base is built for causal LMs read from a directory; "
-                             "a RewardTrainer's sequence classifier is read whole: drop quantization_config")
+        raise ShardwiseError("quantization_config: shardwise's 4-bit base is built for causal LMs read from a "
+                             "directory; a RewardTrainer's sequence classifier is read whole: drop quantization_config")
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
     kwargs = {} if attn is None else {"attn_implementation": attn}

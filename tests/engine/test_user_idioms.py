@@ -478,7 +478,7 @@ def save_pretrained(everywhere: bool, extra: Callable[[nn.Module], dict] = lambd
 
         model = side.wrap(model, units=None)
         inner = model.module if not side.sharded else model
-        out = f"{side.tmp}/{side.name}-{side.strategy}-{everywhere}-{sorted(extra(inner))}"
+        out = f"{side.tmp}/{side.name}-{side.strategy}-{everywhere}-{'-'.join(sorted(extra(inner)))}"
         if everywhere:
             inner.save_pretrained(out, is_main_process=side.rank == 0, **extra(inner))
         elif side.rank == 0:

@@ -85,7 +85,8 @@ def _same_tensor(given: object, own: torch.Tensor) -> bool:
     if not isinstance(given, torch.Tensor) or given.dtype != own.dtype or given.shape != own.shape:
         return False
     if isinstance(own, Piece):
-        return isinstance(given, Piece) and given._layout == own._layout and given._local.data_ptr() == own._local.data_ptr()
+        return (isinstance(given, Piece) and given._layout == own._layout
+                and given._local.data_ptr() == own._local.data_ptr())
     return not isinstance(given, Piece) and given.data_ptr() == own.data_ptr()
 
 
