@@ -28,7 +28,8 @@ What the mixin changes in the Trainer's own DDP run, and why:
   takes part, rank 0 writes the whole model, or a peft model's adapter. The optimizer state, which is per
   rank, goes into ``checkpoint-N/shardwise_state/`` (a shardwise checkpoint, weights included: an adapter-
   only one when the adapters sit over a base read from a directory), so ``resume_from_checkpoint`` resumes
-  exactly, at any world size. ``evaluate`` and ``predict`` run as they do.
+  exactly, at any world size; a ``save_only_model=True`` checkpoint (weights alone) resumes as under DDP,
+  the optimizer afresh. ``evaluate`` and ``predict`` run as they do.
 
 The Trainer's private methods this replaces are named in one place, ``_private_trainer_methods``.
 """
@@ -54,6 +55,7 @@ from shardwise.integrations.training_args import translate
 
 STATE_DIR = "shardwise_state"  # in checkpoint-N/: the shardwise checkpoint (weights + per-rank optimizer state)
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's name for the scheduler state (transformers.trainer.SCHEDULER_NAME)
+OPTIMIZER_FILE = "optimizer.pt"  # and for a DDP run's optimizer state (OPTIMIZER_NAME)
 TRAINING_ARGS_FILE = "training_args.bin"  # and for the arguments saved beside a model (TRAINING_ARGS_NAME)
 
 
@@ -178,8 +180,9 @@ def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
 
 def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
     """The shardwise checkpoint of ``checkpoint`` (weights and optimizer state, resharded to this world
-    size), and the scheduler."""
-    if checkpoint is None:
+    size), and the scheduler. A ``save_only_model`` checkpoint has neither: the optimizer and scheduler start
+    afresh, as the Trainer's own method leaves them when their files are missing."""
+    if checkpoint is None or _weights_only(checkpoint):
         return
     from shardwise.checkpoint.verify import read_manifest
 
@@ -191,9 +194,14 @@ def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
 
 
 def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
-    """Only check that ``resume_from_checkpoint`` is a ShardwiseTrainer checkpoint: its weights come back
-    with the optimizer state (``_load_optimizer_and_scheduler``), each rank reading its own pieces, not the
-    whole model.safetensors on every rank."""
+    """A ShardwiseTrainer checkpoint: nothing here, its weights come back with the optimizer state
+    (``_load_optimizer_and_scheduler``), each rank reading its own pieces, not the whole model.safetensors
+    on every rank. A ``save_only_model=True`` checkpoint (weights alone, written by any run): the Trainer's
+    own load, as under DDP (each rank reads the whole file; ``load_state_dict`` keeps its pieces). A checkpoint
+    with a DDP run's optimizer.pt is refused: that holds one process's optimizer state."""
+    if _weights_only(resume_from_checkpoint):
+        Trainer._load_from_checkpoint(self, resume_from_checkpoint, model)
+        return
     state = Path(resume_from_checkpoint) / STATE_DIR
 
     def check() -> None:
@@ -204,6 +212,13 @@ def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.
                                  f"model= instead")
 
     agree.agreed(check, f"checking {resume_from_checkpoint}")
+
+
+def _weights_only(checkpoint: str) -> bool:
+    """Whether ``checkpoint`` was written with ``save_only_model=True``: no optimizer state of either kind
+    (the same files from a DDP run and from ours). Every rank gets rank 0's answer."""
+    mine = not (Path(checkpoint) / STATE_DIR).is_dir() and not (Path(checkpoint) / OPTIMIZER_FILE).is_file()
+    return bool(agree.broadcast_json(mine))
 
 
 def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:

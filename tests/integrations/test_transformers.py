@@ -5,7 +5,7 @@ the same Trainer's own DDP run on the same data (gloo, CPU).
   norms, evaluation and predictions, the saved model (``from_pretrained`` in one process) and every
   checkpoint's model DDP's (bit for bit at 2 ranks, to 1e-6 at 3); ``resume_from_checkpoint`` equal to the
   run it continues, at the same world size and at another one (the DDP run resumed there from its own
-  checkpoint).
+  checkpoint); a ``save_only_model=True`` checkpoint (weights alone) resumes as DDP's Trainer resumes it.
 - peft LoRA (``peft_config``, SGD with momentum): the saved adapter DDP's to 1e-6 (``get_peft_model`` after the
   same seed: the same initial adapters).
 - TRL's SFTTrainer with its defaults (bf16 autocast, gradient checkpointing, lr 2e-5) behind the mixin: within
@@ -256,6 +256,19 @@ def _dpo_vs_ddp(rank: int, world: int, root: str, model_dir: str) -> dict:
     return out
 
 
+def _save_only_model_resumed(rank: int, world: int, root: str, model_dir: str) -> dict:
+    """``save_only_model=True`` checkpoints hold the weights alone (the same files from either run): each kind
+    resumed from its own, the optimizer and scheduler starting afresh, as the DDP Trainer starts them."""
+    for kind in ("ddp", "shardwise"):
+        _train(kind, root, model_dir, f"only-{kind}-{world}", eval_strategy="no", save_only_model=True)
+    runs = {kind: _train(kind, root, model_dir, f"only-{kind}-{world}-resumed", eval_strategy="no", save_only_model=True,
+                         resume=os.path.join(root, f"only-{kind}-{world}", f"checkpoint-{SAVE_AT}"))
+            for kind in ("ddp", "shardwise")}
+    a, b = ([h for h in runs[k]["history"] if h["step"] > SAVE_AT] for k in ("ddp", "shardwise"))
+    return {"steps": [h["step"] for h in b], "history_rel": _history_rel(a, b),
+            "files": sorted(os.listdir(os.path.join(root, f"only-shardwise-{world}", f"checkpoint-{SAVE_AT}")))}
+
+
 def _preferences(n: int = 16) -> dict:
     """Prompts, chosen and rejected answers in the corpus's words."""
     from hf_dirs import CORPUS
@@ -403,6 +416,7 @@ def _scenarios(rank: int, world: int, root: str, model_dir: str) -> dict:
         "lora": lambda r, w: _lora_vs_ddp(r, w, root, model_dir),
         "sft": lambda r, w: _sft_vs_ddp(r, w, root, model_dir),
         "dpo": lambda r, w: _dpo_vs_ddp(r, w, root, model_dir),
+        "save_only_model": lambda r, w: _save_only_model_resumed(r, w, root, model_dir),
         "reward": lambda r, w: _reward_vs_ddp(r, w, root, model_dir),
         "trl_dtypes": lambda r, w: _trl_dtypes(r, w, root, model_dir),
         "qlora": lambda r, w: _qlora(r, w, root, model_dir),
@@ -464,6 +478,13 @@ def test_sft_trainer_with_trls_defaults_is_ddps_within_bf16(world, dirs):
     assert r["wrappers"] == ("DistributedDataParallel", "LlamaForCausalLM"), r
     assert r["steps"] == 3 and r["names"], r
     assert r["loss_rel"] <= BF16_RTOL and r["update_rel"] <= BF16_RTOL, r
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_trainer_resumes_a_save_only_model_checkpoint_as_ddps_trainer(world, dirs):
+    r = scenario(_report(world, *dirs)[0], "save_only_model")
+    assert "shardwise_state" not in r["files"] and "model.safetensors" in r["files"], r
+    assert r["steps"] == [3, 4] and r["history_rel"] <= 1e-6, r
 
 
 @pytest.mark.parametrize("world", WORLDS)
