@@ -92,7 +92,7 @@ def _same_tensor(given: object, own: torch.Tensor) -> bool:
 
 def _described(value: object) -> str:
     """A refused argument, named short: a state dict is not printed tensor by tensor."""
+    if isinstance(value, Mapping) and value:
+        return f"<{type(value).__name__} of {len(value)} entries>"
     text = repr(value)
-    if len(text) <= 80:
-        return text
-    return f"<{type(value).__name__} of {len(value)} entries>" if isinstance(value, Mapping) else f"<{type(value).__name__}>"
+    return text if len(text) <= 80 else f"<{type(value).__name__}>"
