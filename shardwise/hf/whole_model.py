@@ -45,7 +45,8 @@ def save_whole_model(model: nn.Module, directory: PathLike, *, dtype: Optional[t
       default the master dtype the shards hold (fp32 masters under mixed precision). ``processing_class``
       (a tokenizer or processor): its files too. A peft model: ``adapter_config.json`` and
       ``adapter_model.safetensors``, as ``PeftModel.save_pretrained`` writes them (the frozen base is not
-      written; ``shardwise.hf.lora.save_merged`` writes base and adapters merged). Any other module: the
+      written; ``shardwise.hf.lora.save_merged`` writes base and adapters merged), and ``processing_class``'s
+      files beside them, as a Trainer's ``save_model`` writes them. Any other module: the
       weights only.
     - **Memory.** Rank 0 writes each tensor as its flat group arrives: no rank holds more than one flat group
       (one unit's parameters of one dtype) whole, plus the tensor being cast; a peft adapter is gathered
@@ -62,7 +63,7 @@ def save_whole_model(model: nn.Module, directory: PathLike, *, dtype: Optional[t
     """
     max_shard_bytes = _shard_bytes(max_shard_size)
     if is_peft_model(model):
-        return _save_adapter(model, Path(directory))
+        return _save_adapter(model, Path(directory), processing_class)
     if has_quantised(model):
         raise ShardwiseError(f"{CALL}: {type(model).__name__} holds a 4-bit base (QuantLinear), whose packed bytes "
                              f"are shardwise's layout, not a checkpoint format: save the LoRA adapters around it "
@@ -81,8 +82,9 @@ def _shard_bytes(max_shard_size: Union[int, str]) -> int:
     return max_shard_size
 
 
-def _save_adapter(model: nn.Module, out: Path) -> Optional[list[Path]]:
-    """The peft adapter, as ``PeftModel.save_pretrained`` writes it (its ``base_model_name_or_path`` kept)."""
+def _save_adapter(model: nn.Module, out: Path, processing_class: Any) -> Optional[list[Path]]:
+    """The peft adapter, as ``PeftModel.save_pretrained`` writes it (its ``base_model_name_or_path`` kept),
+    and the tokenizer beside it, as a Trainer's ``save_model`` writes it."""
     from shardwise.engine.core.runtime import runtime_of
 
     rt = runtime_of(model)
@@ -93,6 +95,8 @@ def _save_adapter(model: nn.Module, out: Path) -> Optional[list[Path]]:
 
     def fill(tmp: Path) -> list[Path]:
         write_adapter_files(tmp, tensors, config, config.base_model_name_or_path)
+        if processing_class is not None:
+            processing_class.save_pretrained(str(tmp))
         return [out / "adapter_model.safetensors"]
 
     return rank0_writes(out, fill)

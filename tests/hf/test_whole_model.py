@@ -170,13 +170,19 @@ def _adapter(rank: int, root: str) -> dict:
         shardwise.load_full_state_dict(model, ref.state_dict() if rank == 0 else {})
     ours, theirs = os.path.join(root, "adapter-ours"), os.path.join(root, "adapter-theirs")
     shardwise.save_whole_model(model, ours)
+    # a Trainer's save_model of a peft model: the tokenizer beside the adapter, as the Trainer writes it
+    from hf_dirs import make_tokenizer
+
+    tokenizer = make_tokenizer(os.path.join(root, f"tokenizer-{rank}"))
+    with_tokenizer = os.path.join(root, "adapter-tokenizer")
+    shardwise.save_whole_model(model, with_tokenizer, processing_class=tokenizer)
     if rank != 0:
         return {}
     ref.save_pretrained(theirs)
     cfg = lambda d: {k: v for k, v in json.loads(open(os.path.join(d, "adapter_config.json")).read()).items()
                      if k != "inference_mode"}
     return {"files": sorted(os.listdir(ours)), "tensors": _same_tensors(_tensors(ours), _tensors(theirs)),
-            "config": cfg(ours) == cfg(theirs)}
+            "config": cfg(ours) == cfg(theirs), "with_tokenizer": sorted(os.listdir(with_tokenizer))}
 
 
 def _save_pretrained(rank: int, root: str) -> dict:
@@ -273,6 +279,8 @@ def test_whole_model_of_a_peft_model_is_its_adapter(world, root):
     r = scenario(_report(world, f"{root}/{world}")[0], "adapter")
     assert r["files"] == ["adapter_config.json", "adapter_model.safetensors"]
     assert r["tensors"] and r["config"], r
+    assert r["with_tokenizer"] == ["adapter_config.json", "adapter_model.safetensors", "chat_template.jinja",
+                                   "tokenizer.json", "tokenizer_config.json"], r
 
 
 @pytest.mark.parametrize("world", WORLDS)
