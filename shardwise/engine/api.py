@@ -82,10 +82,11 @@ def shard(
             statistics, ...), as DDP does by default, so that ranks evaluate alike and checkpoints hold what
             every rank used. ``False`` keeps each rank's own buffers.
 
-    After this call ``model.parameters()`` are the 1-D local shards (names unchanged); build the optimizer
-    from them. During a unit's forward its parameters are full-shape views of a gathered buffer. The model
-    answers DDP's idioms itself (ddp_idioms.py): ``model.no_sync()``, ``model.require_backward_grad_sync``;
-    ``model.module`` is a named error (there is no wrapper: use the model).
+    After this call ``model.parameters()`` read as the whole parameters while each rank holds its elements
+    (``Piece``, names unchanged); build the optimizer from them. During a unit's forward its parameters are
+    full-shape views of a gathered buffer. The model answers DDP's and FSDP's idioms itself (ddp_idioms.py):
+    ``model.no_sync()``, ``model.require_backward_grad_sync``, ``model.set_requires_gradient_sync()``,
+    ``model.clip_grad_norm_()``; ``model.module`` is a named error (there is no wrapper: use the model).
     """
     if hasattr(model, STATE_ATTR):
         raise ShardwiseError(f"shardwise.shard() was already called on this {type(model).__name__} (or on a model "
@@ -137,7 +138,7 @@ def shard(
     state_dict_pieces.install(model, runtime)  # model.load_state_dict() marks the shards written
     runtime.before_forward.append(optimizer_swap.restore_all)  # a step that raised left its swap (optimizer_swap.py)
     whole_model_saves.install(model)  # model.save_pretrained(dir) writes the whole model, streamed
-    ddp_idioms.install(model)  # model.no_sync(), model.require_backward_grad_sync, model.module
+    ddp_idioms.install(model)  # model.no_sync(), require_backward_grad_sync, FSDP's idioms, model.module
     if broadcast_buffers and pgs.data_parallel_size > 1:
         sync = BufferBroadcast(model, runtime)
         if sync.buffers:
