@@ -26,7 +26,7 @@ import torch.nn.utils.parametrize
 
 import shardwise
 from harness import run_distributed
-from models import GPT, Block, tiny_gpt_config
+from models import GPT, Block, gpt_loss, tiny_gpt_config
 from parity_utils import local_slice, make_batches, sharded_param_errors, spawn_once, worst
 from shardwise import ShardwiseError
 
@@ -112,6 +112,57 @@ def dcp_get_model_state_dict(rank, ws):
     """torch.distributed.checkpoint's state-dict helper would hand DCP the pieces as if whole."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     get_model_state_dict(_sharded())
+
+
+def _stepped() -> tuple:
+    """A sharded model and its AdamW after one step (its state exists), as checkpoint helpers meet them."""
+    model = _sharded()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    gpt_loss(model, x, x).backward()
+    opt.step()
+    return model, opt
+
+
+# torchtitan's and torchtune's checkpointers, and FSDP1 scripts, call these on the model they trained.
+def dcp_get_state_dict(rank, ws):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    get_state_dict(*_stepped())
+
+
+def dcp_get_optimizer_state_dict(rank, ws):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    get_optimizer_state_dict(*_stepped(), options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+
+def dcp_set_model_state_dict(rank, ws):
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    set_model_state_dict(_sharded(), _reference().state_dict())
+
+
+def fsdp1_summon_full_params(rank, ws):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    model = _sharded()
+    with FSDP.summon_full_params(model, writeback=True):
+        model.lm_head.weight.data.mul_(2.0)
+
+
+def fsdp1_full_state_dict_type(rank, ws):
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    model = _sharded()
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
+        model.state_dict()
+
+
+def fsdp1_optim_state_dict(rank, ws):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    FSDP.optim_state_dict(*_stepped())
+
+
+def fsdp1_wrapper(rank, ws):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    FSDP(_sharded(), use_orig_params=True)
 
 
 def dcp_round_trip(strategy: str):
@@ -314,13 +365,22 @@ class Row:
 DDP = "DistributedDataParallel around this"
 ONE_RANK_GATHER = "ranks [0] are at torch.save of a sharded model's state_dict() pieces"
 DEEPCOPY = "copy.deepcopy() of a sharded model"
-COMPOSABLE = "torch.distributed's fully_shard, replicate and the FSDP"
+COMPOSABLE = "which shardwise.shard() already shards: they would shard its parameters again"
 
 ROWS = [
     Row("DistributedDataParallel(model)", ddp, DDP),
     Row("DistributedDataParallel, pieces of equal sizes", ddp_equal_pieces, DDP),
     Row("fully_shard(model)", fully_shard, COMPOSABLE),
     Row("DCP get_model_state_dict(model)", dcp_get_model_state_dict, COMPOSABLE),
+    # (each refusal names shardwise's counterpart of the helper called)
+    Row("DCP get_state_dict(model, optimizer)", dcp_get_state_dict, "get_optimizer_state_dict -> optimizer.state_dict()"),
+    Row("DCP get_optimizer_state_dict, flattened", dcp_get_optimizer_state_dict,
+        "get_optimizer_state_dict -> optimizer.state_dict()"),
+    Row("DCP set_model_state_dict", dcp_set_model_state_dict, "set_model_state_dict -> model.state_dict() and model.load_state_dict()"),
+    Row("FSDP.summon_full_params(model)", fsdp1_summon_full_params, "FSDP.summon_full_params -> shardwise.summon_full_params(model)"),
+    Row("FSDP.state_dict_type(model, FULL_STATE_DICT)", fsdp1_full_state_dict_type, "shardwise.full_state_dict(model)"),
+    Row("FSDP.optim_state_dict(model, optimizer)", fsdp1_optim_state_dict, "FSDP.optim_state_dict / get_optimizer_state_dict ->"),
+    Row("FullyShardedDataParallel(model)", fsdp1_wrapper, COMPOSABLE),
     # DCP gathers every rank's planning error into its own CheckpointException, raised on every rank.
     Row("DCP save of model.state_dict()", dcp_round_trip("full_shard"), "torch.distributed.checkpoint of",
         wrapped_by="CheckpointException"),
