@@ -4,6 +4,7 @@ is in grad_norm.py)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 import weakref
 from typing import Callable, Optional, Union
@@ -161,10 +162,17 @@ def _retire_originals(groups: list[FlatGroup]) -> None:
     optimizer_guard.install()  # retired parameters, optimizer classes, whose state (optimizer_guard.py)
 
 
+_EAGER_REASON = ("shardwise.shard()'s unit entries and exits (collectives, storage resizes) run between compiled "
+                 "graphs: compile a sharded model or its blocks with fullgraph=False")
+
+
 def _eager(hook: Callable) -> Callable:
     """``hook`` as torch.compile leaves it: run as Python between compiled graphs, never traced (the engine's
     entry and exit issue collectives, resize storages and register autograd hooks, which inductor cannot
-    lower; the modules' own code is still compiled). Public ``torch.compiler.disable``; ~0.5 us a call."""
+    lower; the modules' own code is still compiled). Public ``torch.compiler.disable``; ~0.5 us a call. Its
+    ``reason`` (where this torch has it) is what ``torch.compile(..., fullgraph=True)`` raises with."""
+    if "reason" in inspect.signature(torch.compiler.disable).parameters:
+        return torch.compiler.disable(hook, recursive=True, reason=_EAGER_REASON)
     return torch.compiler.disable(hook, recursive=True)
 
 
@@ -191,6 +199,11 @@ def _install_hooks(model: nn.Module, runtime: ModelRuntime, activation_checkpoin
         # transformers' generate() keeps ranks stepping together (synced_gpus) for models it sees as
         # FSDP-managed: otherwise a rank that reaches EOS first stops calling forward and the others hang.
         m._is_fsdp_managed_module = True
+        # torch.compile (dynamo) traces an FSDP-managed module only when it also says use_orig_params, as
+        # FSDP2's fully_shard sets both: its parameters are then read as graph inputs at every call (a unit
+        # binds new views each forward). Without it dynamo refuses every module ("FSDP with
+        # use_orig_params=False"): fullgraph=True fails, and otherwise none of a module's own code compiles.
+        m._fsdp_use_orig_params = True
 
 
 def _describe_plan(plan, strategy: Strategy, pgs) -> str:

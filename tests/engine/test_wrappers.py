@@ -417,7 +417,37 @@ def sharded_after_compile(rank, ws):
     return compiled_model, torch.compile(_reference())  # (the same "_orig_mod." names; never called)
 
 
+def _compile_blocks(model: GPT, fullgraph: bool = False) -> GPT:
+    """torchtitan's apply_compile: each block compiled on its own and registered in its place."""
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, fullgraph=fullgraph)
+    return model
+
+
+def blocks_compiled_then_sharded(rank, ws):
+    """torchtitan's order: compile each block, then shard (fully_shard there)."""
+    model = shardwise.shard(_compile_blocks(_gpt()), units={Block})
+    _train(model, rank, ws)
+    return model, _compile_blocks(_reference())
+
+
+def blocks_compiled_fullgraph(rank, ws):
+    """torchtitan compiles blocks with fullgraph=True: the unit entries cannot be traced, and the error says
+    so (dynamo's own error, with our reason; it named FSDP's use_orig_params before)."""
+    torch._dynamo.reset()  # the rows before compiled Block.forward without fullgraph: dynamo would reuse it
+    model = shardwise.shard(_compile_blocks(_gpt(), fullgraph=True), units={Block})
+    try:
+        _train(model, rank, ws, steps=1)
+    except Exception as e:  # noqa: BLE001 - dynamo's Unsupported, re-raised as the error the table reads
+        if "fullgraph=False" in str(e) and "shardwise.shard()" in str(e):
+            raise ShardwiseError(f"compiled with fullgraph=True: {type(e).__name__}") from e
+        raise
+
+
 SLOW_ROWS = [Row("torch.compile(model)", compiled), Row("shard(torch.compile(model))", sharded_after_compile),
+             Row("torch.compile(block) per block, then shard", blocks_compiled_then_sharded),
+             Row("torch.compile(block, fullgraph=True) per block", blocks_compiled_fullgraph,
+                 "compiled with fullgraph=True: Unsupported"),
              Row("Hugging Face Trainer(model)", hf_trainer, DDP)]
 
 
