@@ -183,6 +183,30 @@ def dcp_round_trip(strategy: str):
     return run
 
 
+def dcp_load_whole_checkpoint(rank, ws):
+    """torch.distributed.checkpoint's load of a checkpoint of whole tensors (one process wrote it; torchtitan's
+    FSDP2 model state reads the same) into ``model.state_dict()`` and ``optimizer.state_dict()``: each rank
+    takes its elements, and training goes on as the writer's would."""
+    import tempfile
+    import torch.distributed.checkpoint as dcp
+    ref = _gpt()
+    ref_opt = _sgd(ref.parameters())  # (its momentum is the state; AdamW's first steps amplify rounding)
+    _train(ref, 0, 1, opt=ref_opt)
+    box = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if rank == 0:
+        dcp.save({"model": ref.state_dict(), "optim": ref_opt.state_dict()}, checkpoint_id=box[0], no_dist=True)
+    dist.barrier()
+    model = _sharded()
+    opt = _sgd(model.parameters())
+    _train(model, rank, ws, opt=opt, steps=1)  # a state of its own, which the load must replace
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=box[0])
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    return _train(model, rank, ws, opt=opt), _train(ref, 0, 1, opt=ref_opt)
+
+
 def accelerate_prepare_model(rank, ws):
     from accelerate import Accelerator
     accelerator = Accelerator(cpu=True)
@@ -385,6 +409,7 @@ ROWS = [
     Row("DCP save of model.state_dict()", dcp_round_trip("full_shard"), "torch.distributed.checkpoint of",
         wrapped_by="CheckpointException"),
     Row("DCP save and load of model.state_dict(), no_shard", dcp_round_trip("no_shard")),
+    Row("DCP load of a whole checkpoint into model and optimizer state_dict()", dcp_load_whole_checkpoint),
     Row("accelerate prepare(model, optimizer)", accelerate_prepare_model, DDP),
     Row("accelerate prepare(optimizer) + clip_grad_norm_", accelerate_prepare_optimizer),
     Row("state_dict per rank, load_state_dict", state_dict_per_rank),
