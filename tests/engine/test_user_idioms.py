@@ -239,24 +239,35 @@ def tower_loop(model, side):
     return dict(losses=losses, no_grad=no_grad, weights=side.whole(model))
 
 
-def nanogpt_accumulation(model, side):
-    """nanoGPT: ``model.require_backward_grad_sync = (micro_step == last)`` before each micro-batch's
-    forward, then gradient clipping. (SGD with momentum: AdamW would amplify the rounding noise of gradients
-    that are zero in exact arithmetic, the attention keys' bias, which two summation orders round apart.)"""
+def accumulation(model, side, sync_switch, clip):
+    """Two micro-batches per step, each under ``sync_switch(model, last)``, then ``clip`` and the step."""
     model = side.wrap(model, units={Block})
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     micro, losses = 2, []
     for x, y in side.batches():
         n = x.shape[0] // micro
         for m in range(micro):
-            model.require_backward_grad_sync = m == micro - 1
-            _, loss = model(x[m * n:(m + 1) * n], y[m * n:(m + 1) * n])
-            (loss / micro).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with sync_switch(model, m == micro - 1):
+                _, loss = model(x[m * n:(m + 1) * n], y[m * n:(m + 1) * n])
+                (loss / micro).backward()
+        clip(model.parameters())
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(mean_over_ranks(loss))
     return dict(losses=losses, weights=side.whole(model))
+
+
+@contextlib.contextmanager
+def nanogpt_switch(model, last: bool):
+    model.require_backward_grad_sync = last
+    yield
+
+
+def nanogpt_accumulation(model, side):
+    """nanoGPT: ``model.require_backward_grad_sync = (micro_step == last)`` before each micro-batch's
+    forward, then gradient clipping. (SGD with momentum: AdamW would amplify the rounding noise of gradients
+    that are zero in exact arithmetic, the attention keys' bias, which two summation orders round apart.)"""
+    return accumulation(model, side, nanogpt_switch, lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0))
 
 
 def no_sync_accumulation(model, side):
@@ -590,9 +601,9 @@ def averaged_model(model, side):
 # ---- users arriving from FSDP2 / FSDP1 and torchtitan / torchtune-style loops ----------------------------
 # Scripts written for FSDP, with DDP's own calls where the model is a DistributedDataParallel (the DDP side).
 @contextlib.contextmanager
-def maybe_no_sync(model, skip: bool):
-    """FSDP2's switch around a micro-batch whose gradients are only accumulated (DDP's ``no_sync`` for DDP)."""
-    if not skip:
+def fsdp2_switch(model, last: bool):
+    """FSDP2's switch off around a micro-batch whose gradients are only accumulated (DDP's ``no_sync``)."""
+    if last:
         yield
     elif isinstance(model, DistributedDataParallel):
         with model.no_sync():
@@ -608,20 +619,7 @@ def maybe_no_sync(model, skip: bool):
 def fsdp2_accumulation(model, side):
     """Accumulation over micro-batches through FSDP2's ``set_requires_gradient_sync``, ``loss / accum``, then
     torch's ``clip_grad_norm_(..., foreach=True)``."""
-    model = side.wrap(model, units={Block})
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    micro, losses = 2, []
-    for x, y in side.batches():
-        n = x.shape[0] // micro
-        for m in range(micro):
-            with maybe_no_sync(model, skip=m < micro - 1):
-                _, loss = model(x[m * n:(m + 1) * n], y[m * n:(m + 1) * n])
-                (loss / micro).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(mean_over_ranks(loss))
-    return dict(losses=losses, weights=side.whole(model))
+    return accumulation(model, side, fsdp2_switch, lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True))
 
 
 def fsdp1_clip_method(model, side):
