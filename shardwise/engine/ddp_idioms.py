@@ -49,6 +49,8 @@ class NoFSDPMethodError(ShardwiseError, AttributeError):
     ``hasattr``)."""
 
 
+_AVERAGED = "shardwise averages gradients over the data-parallel ranks, as DDP does; scale the loss to change that"
+
 # FSDP2's FSDPModule members a sharded model does not have, and what to use instead.
 _FSDP_ONLY = {
     "unshard": "shardwise gathers each unit at its forward and prefetches the next; for whole weights outside "
@@ -65,12 +67,9 @@ _FSDP_ONLY = {
     "set_unshard_in_backward": "shardwise re-gathers a unit for its backward whenever the unit has parameters "
                                "that need a gradient",
     "set_post_optim_event": "shardwise orders its gathers after the optimizer step itself",
-    "set_reduce_scatter_divide_factor": "shardwise averages gradients over the data-parallel ranks, as DDP does; "
-                                        "scale the loss to change the factor",
-    "set_gradient_divide_factor": "shardwise averages gradients over the data-parallel ranks, as DDP does; "
-                                  "scale the loss to change the factor",
-    "set_force_sum_reduction_for_comms": "shardwise averages gradients over the data-parallel ranks, as DDP "
-                                         "does; scale the loss to change the factor",
+    "set_reduce_scatter_divide_factor": _AVERAGED,
+    "set_gradient_divide_factor": _AVERAGED,
+    "set_force_sum_reduction_for_comms": _AVERAGED,
     "set_all_reduce_hook": "register a hook on the parameters (p.register_hook, "
                            "p.register_post_accumulate_grad_hook): it sees the reduced gradient",
     "set_custom_all_gather": "shardwise's gathers are its own",
