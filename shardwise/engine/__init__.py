@@ -35,7 +35,7 @@ forward, backward, ``shardwise.clip_grad_norm_``, ``optimizer.step()``). The ste
 22. ``buffer_broadcast.py``     rank 0's buffers before each forward
 23. ``grad_norm.py``            ``clip_grad_norm_``
 24. ``ddp_idioms.py``           the root model's attribute lookups (``model.module`` is a named error; DDP's
-                                ``no_sync()`` and ``require_backward_grad_sync`` on the model)
+                                ``no_sync()`` and ``require_backward_grad_sync``, FSDP's idioms, on the model)
 
 ``api.py`` builds all of it (``shard()``); docs/ARCHITECTURE.md draws the step and lists every file.
 """

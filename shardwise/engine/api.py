@@ -4,6 +4,7 @@ is in grad_norm.py)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 import weakref
 from typing import Callable, Optional, Union
@@ -85,9 +86,11 @@ def shard(
 
     After this call ``model.parameters()`` are the model's parameters, each holding this rank's elements and
     showing the whole parameter's shape to user code (README, "what a parameter is"; names unchanged); build
-    the optimizer from them (one built before takes them when this returns). During a unit's forward its parameters are full-shape views of a gathered buffer. The model
-    answers DDP's idioms itself (ddp_idioms.py): ``model.no_sync()``, ``model.require_backward_grad_sync``;
-    ``model.module`` is a named error (there is no wrapper: use the model).
+    the optimizer from them (one built before takes them when this returns). During a unit's forward its
+    parameters are full-shape views of a gathered buffer. The model answers DDP's and FSDP's idioms itself
+    (ddp_idioms.py): ``model.no_sync()``, ``model.require_backward_grad_sync``,
+    ``model.set_requires_gradient_sync()``, ``model.clip_grad_norm_()``; ``model.module`` is a named error
+    (there is no wrapper: use the model).
     """
     if hasattr(model, STATE_ATTR):
         raise ShardwiseError(f"shardwise.shard() was already called on this {type(model).__name__} (or on a model "
@@ -139,7 +142,7 @@ def shard(
     state_dict_pieces.install(model, runtime)  # model.load_state_dict() marks the shards written
     runtime.before_forward.append(optimizer_swap.restore_all)  # a step that raised left its swap (optimizer_swap.py)
     whole_model_saves.install(model)  # model.save_pretrained(dir) writes the whole model, streamed
-    ddp_idioms.install(model)  # model.no_sync(), model.require_backward_grad_sync, model.module
+    ddp_idioms.install(model)  # model.no_sync(), require_backward_grad_sync, FSDP's idioms, model.module
     optimizer_guard.adopt_in_live_optimizers(retired)  # an optimizer built before shard() holds them now
     if broadcast_buffers and pgs.data_parallel_size > 1:
         sync = BufferBroadcast(model, runtime)
@@ -166,10 +169,17 @@ def _retire_originals(groups: list[FlatGroup]) -> list[nn.Parameter]:
     return retired
 
 
+_EAGER_REASON = ("shardwise.shard()'s unit entries and exits (collectives, storage resizes) run between compiled "
+                 "graphs: compile a sharded model or its blocks with fullgraph=False")
+
+
 def _eager(hook: Callable) -> Callable:
     """``hook`` as torch.compile leaves it: run as Python between compiled graphs, never traced (the engine's
     entry and exit issue collectives, resize storages and register autograd hooks, which inductor cannot
-    lower; the modules' own code is still compiled). Public ``torch.compiler.disable``; ~0.5 us a call."""
+    lower; the modules' own code is still compiled). Public ``torch.compiler.disable``; ~0.5 us a call. Its
+    ``reason`` (where this torch has it) is what ``torch.compile(..., fullgraph=True)`` raises with."""
+    if "reason" in inspect.signature(torch.compiler.disable).parameters:
+        return torch.compiler.disable(hook, recursive=True, reason=_EAGER_REASON)
     return torch.compiler.disable(hook, recursive=True)
 
 
@@ -196,6 +206,11 @@ def _install_hooks(model: nn.Module, runtime: ModelRuntime, activation_checkpoin
         # transformers' generate() keeps ranks stepping together (synced_gpus) for models it sees as
         # FSDP-managed: otherwise a rank that reaches EOS first stops calling forward and the others hang.
         m._is_fsdp_managed_module = True
+        # torch.compile (dynamo) traces an FSDP-managed module only when it also says use_orig_params, as
+        # FSDP2's fully_shard sets both: its parameters are then read as graph inputs at every call (a unit
+        # binds new views each forward). Without it dynamo refuses every module ("FSDP with
+        # use_orig_params=False"): fullgraph=True fails, and otherwise none of a module's own code compiles.
+        m._fsdp_use_orig_params = True
 
 
 def _describe_plan(plan, strategy: Strategy, pgs) -> str:

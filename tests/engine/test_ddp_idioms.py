@@ -1,10 +1,13 @@
-"""What DDP users ask of the wrapper, answered by the sharded model itself (engine/ddp_idioms.py), and
-``units="auto"`` on a model without repeated blocks.
+"""What DDP and FSDP users ask of the wrapper, answered by the sharded model itself (engine/ddp_idioms.py),
+and ``units="auto"`` on a model without repeated blocks.
 
 Accumulation written DDP's two ways (``with model.no_sync():`` as pytorch/examples and Accelerate write it,
-``model.require_backward_grad_sync = last_micro_step`` as nanoGPT writes it) trains exactly like one process
-on the global batch and communicates nothing in the micro-batches it skips; ``model.module`` is a named error
-that ``hasattr`` and unwrapping helpers read as absent. One spawn at world size 2.
+``model.require_backward_grad_sync = last_micro_step`` as nanoGPT writes it) and FSDP2's way
+(``model.set_requires_gradient_sync(last_micro_step)``, with ``set_is_last_backward`` and HSDP's
+``set_requires_all_reduce`` beside it) trains exactly like one process on the global batch and communicates
+nothing in the micro-batches it skips; ``model.module`` and FSDP2's other ``FSDPModule`` methods are named
+errors that ``hasattr`` and unwrapping helpers read as absent; FSDP1's ``model.clip_grad_norm_`` is
+``shardwise.clip_grad_norm_``. One spawn at world size 2.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from harness import error_of, run_distributed
 from models import GPT, Block, gpt_loss, tiny_gpt_config
 from parity_utils import (CollectiveCounter, assert_parity, make_batches, parity_check, run_scenarios, scenario,
                           spawn_once)
-from shardwise.engine.ddp_idioms import NoModuleError
+from shardwise.engine.ddp_idioms import NoFSDPMethodError, NoModuleError
 
 VOCAB = tiny_gpt_config().vocab_size
 MICRO = 3
@@ -47,6 +50,10 @@ def _accumulate(style: str, traffic: list):
                 else:
                     if sharded and style == "require_backward_grad_sync":
                         model.require_backward_grad_sync = last  # nanoGPT: before the forward
+                    if sharded and style == "set_requires_gradient_sync":  # FSDP2's, as torchtitan-style loops call it
+                        model.set_requires_gradient_sync(last)
+                        model.set_is_last_backward(last)
+                        model.set_requires_all_reduce(last)
                     loss = gpt_loss(model, xm, ym) / MICRO
                     loss.backward()
             if sharded and not last:
@@ -101,6 +108,28 @@ def _module_attribute(rank, ws):
                 flag=model.require_backward_grad_sync)
 
 
+def _fsdp_methods(rank, ws):
+    """FSDP1's clip method, FSDP2's methods shardwise does not offer, and a recurse=False it cannot honour."""
+    torch.manual_seed(0)
+    model = shardwise.shard(GPT(tiny_gpt_config()), units={Block})
+    x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+    gpt_loss(model, x, x).backward()
+    reference = shardwise.clip_grad_norm_(model, float("inf")).item()  # the norm, nothing scaled
+    norm = model.clip_grad_norm_(1e-3).item()
+    after = shardwise.clip_grad_norm_(model, float("inf")).item()
+    named = {}
+    for name in ("unshard", "reshard", "set_reshard_after_backward", "set_modules_to_forward_prefetch"):
+        try:
+            getattr(model, name)
+            named[name] = None
+        except NoFSDPMethodError as e:
+            named[name] = (isinstance(e, AttributeError), isinstance(e, shardwise.ShardwiseError), str(e),
+                           hasattr(model, name))
+    return dict(norm=norm, reference=reference, after=after, named=named,
+                recurse=error_of(lambda: model.set_requires_gradient_sync(False, recurse=False)),
+                flag=model.require_backward_grad_sync)
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -142,7 +171,9 @@ def _auto_units_without_blocks(rank, ws):
 SCENARIOS = {
     "no_sync": _accumulation("no_sync"),
     "require_backward_grad_sync": _accumulation("require_backward_grad_sync"),
+    "set_requires_gradient_sync": _accumulation("set_requires_gradient_sync"),
     "module": _module_attribute,
+    "fsdp_methods": _fsdp_methods,
     "auto_units": _auto_units_without_blocks,
 }
 
@@ -156,8 +187,8 @@ def report() -> list:
     return run_distributed(_worker, 2)
 
 
-@pytest.mark.parametrize("style", ["no_sync", "require_backward_grad_sync"])
-def test_accumulation_written_as_for_ddp_trains_exactly_and_skips_communication(style):
+@pytest.mark.parametrize("style", ["no_sync", "require_backward_grad_sync", "set_requires_gradient_sync"])
+def test_accumulation_written_as_for_ddp_or_fsdp2_trains_exactly_and_skips_communication(style):
     for rank, res in enumerate(report()):
         for strategy, r in scenario(res, style).items():
             assert_parity(r["metrics"], label=f"rank {rank} {style} {strategy}")
@@ -176,6 +207,21 @@ def test_model_module_is_a_named_error_that_hasattr_reads_as_absent():
         assert "AttributeError" in r["other_attr"] and "no_such_thing" in r["other_attr"]
         assert r["own_child"], "a submodule called module stays reachable"
         assert r["flag"] is True
+
+
+def test_fsdp1_clip_method_is_shardwise_clip_and_other_fsdp2_methods_are_named_errors():
+    for res in report():
+        r = scenario(res, "fsdp_methods")
+        assert r["norm"] == pytest.approx(r["reference"], rel=1e-6), "returns the global norm before clipping"
+        assert r["after"] == pytest.approx(1e-3, rel=1e-4), "clipped to max_norm"
+        for name, raised in r["named"].items():
+            assert raised is not None, f"model.{name} did not raise"
+            is_attribute_error, is_shardwise_error, text, has = raised
+            assert is_attribute_error and is_shardwise_error and not has, name
+            assert f"GPT.{name}" in text and "FSDPModule" in text, text
+        assert "shardwise.summon_full_params" in r["named"]["unshard"][2]
+        assert "ShardwiseError" in r["recurse"] and "recurse=False" in r["recurse"], r["recurse"]
+        assert r["flag"] is True, "a refused call changes nothing"
 
 
 def test_units_auto_without_repeated_blocks_makes_one_unit_and_says_so():

@@ -18,6 +18,7 @@ strategy is marked slow.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -238,24 +239,35 @@ def tower_loop(model, side):
     return dict(losses=losses, no_grad=no_grad, weights=side.whole(model))
 
 
-def nanogpt_accumulation(model, side):
-    """nanoGPT: ``model.require_backward_grad_sync = (micro_step == last)`` before each micro-batch's
-    forward, then gradient clipping. (SGD with momentum: AdamW would amplify the rounding noise of gradients
-    that are zero in exact arithmetic, the attention keys' bias, which two summation orders round apart.)"""
+def accumulation(model, side, sync_switch, clip):
+    """Two micro-batches per step, each under ``sync_switch(model, last)``, then ``clip`` and the step."""
     model = side.wrap(model, units={Block})
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     micro, losses = 2, []
     for x, y in side.batches():
         n = x.shape[0] // micro
         for m in range(micro):
-            model.require_backward_grad_sync = m == micro - 1
-            _, loss = model(x[m * n:(m + 1) * n], y[m * n:(m + 1) * n])
-            (loss / micro).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with sync_switch(model, m == micro - 1):
+                _, loss = model(x[m * n:(m + 1) * n], y[m * n:(m + 1) * n])
+                (loss / micro).backward()
+        clip(model.parameters())
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(mean_over_ranks(loss))
     return dict(losses=losses, weights=side.whole(model))
+
+
+@contextlib.contextmanager
+def nanogpt_switch(model, last: bool):
+    model.require_backward_grad_sync = last
+    yield
+
+
+def nanogpt_accumulation(model, side):
+    """nanoGPT: ``model.require_backward_grad_sync = (micro_step == last)`` before each micro-batch's
+    forward, then gradient clipping. (SGD with momentum: AdamW would amplify the rounding noise of gradients
+    that are zero in exact arithmetic, the attention keys' bias, which two summation orders round apart.)"""
+    return accumulation(model, side, nanogpt_switch, lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0))
 
 
 def no_sync_accumulation(model, side):
@@ -585,6 +597,50 @@ def averaged_model(model, side):
     return dict(ema={k: v.detach().clone() for k, v in ema.module.state_dict().items()} if side.rank == 0 else {})
 
 
+
+# ---- users arriving from FSDP2 / FSDP1 and torchtitan / torchtune-style loops ----------------------------
+# Scripts written for FSDP, with DDP's own calls where the model is a DistributedDataParallel (the DDP side).
+@contextlib.contextmanager
+def fsdp2_switch(model, last: bool):
+    """FSDP2's switch off around a micro-batch whose gradients are only accumulated (DDP's ``no_sync``)."""
+    if last:
+        yield
+    elif isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    else:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+
+def fsdp2_accumulation(model, side):
+    """Accumulation over micro-batches through FSDP2's ``set_requires_gradient_sync``, ``loss / accum``, then
+    torch's ``clip_grad_norm_(..., foreach=True)``."""
+    return accumulation(model, side, fsdp2_switch, lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True))
+
+
+def fsdp1_clip_method(model, side):
+    """FSDP1's ``model.clip_grad_norm_(max_norm)`` (as Accelerate calls it under FSDP1; torch's for DDP): the
+    global norm, returned and applied."""
+    model = side.wrap(model, units={Block})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, norms = [], []
+    for x, y in side.batches():
+        _, loss = model(x, y)
+        loss.backward()
+        if isinstance(model, DistributedDataParallel):
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        else:
+            norm = model.clip_grad_norm_(0.5)
+        norms.append(float(norm))
+        opt.step()
+        opt.zero_grad()
+        losses.append(mean_over_ranks(loss))
+    return dict(losses=losses, norms=norms, weights=side.whole(model))
+
 ROWS: dict[str, Row] = {
     # seeds (nanoGPT seeds 1337 + rank before building the model; ImageNet's script seeds only if asked)
     "seed 1337 + rank": Row(gpt_seeded_per_rank, gpt_loop),
@@ -648,6 +704,9 @@ ROWS: dict[str, Row] = {
     "norm penalty with all-zero parameters": Row(gpt, penalty(lambda p, p0: p.norm())),
     "linalg.vector_norm penalty": Row(gpt, penalty(lambda p, p0: torch.linalg.vector_norm(p))),
     "hand-written accumulation and torch's clip_grad_norm_": Row(gpt, hand_accumulation),
+    # users arriving from FSDP2 / FSDP1 (torchtitan / torchtune-style loops)
+    "FSDP2 set_requires_gradient_sync accumulation": Row(gpt, fsdp2_accumulation),
+    "FSDP1 model.clip_grad_norm_": Row(gpt, fsdp1_clip_method),
 }
 
 

@@ -26,7 +26,7 @@ import torch.nn.utils.parametrize
 
 import shardwise
 from harness import run_distributed
-from models import GPT, Block, tiny_gpt_config
+from models import GPT, Block, gpt_loss, tiny_gpt_config
 from parity_utils import local_slice, make_batches, sharded_param_errors, spawn_once, worst
 from shardwise import ShardwiseError
 
@@ -114,6 +114,57 @@ def dcp_get_model_state_dict(rank, ws):
     get_model_state_dict(_sharded())
 
 
+def _stepped() -> tuple:
+    """A sharded model and its AdamW after one step (its state exists), as checkpoint helpers meet them."""
+    model = _sharded()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    gpt_loss(model, x, x).backward()
+    opt.step()
+    return model, opt
+
+
+# torchtitan's and torchtune's checkpointers, and FSDP1 scripts, call these on the model they trained.
+def dcp_get_state_dict(rank, ws):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    get_state_dict(*_stepped())
+
+
+def dcp_get_optimizer_state_dict(rank, ws):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    get_optimizer_state_dict(*_stepped(), options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+
+def dcp_set_model_state_dict(rank, ws):
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    set_model_state_dict(_sharded(), _reference().state_dict())
+
+
+def fsdp1_summon_full_params(rank, ws):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    model = _sharded()
+    with FSDP.summon_full_params(model, writeback=True):
+        model.lm_head.weight.data.mul_(2.0)
+
+
+def fsdp1_full_state_dict_type(rank, ws):
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    model = _sharded()
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
+        model.state_dict()
+
+
+def fsdp1_optim_state_dict(rank, ws):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    FSDP.optim_state_dict(*_stepped())
+
+
+def fsdp1_wrapper(rank, ws):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    FSDP(_sharded(), use_orig_params=True)
+
+
 def dcp_round_trip(strategy: str):
     """torch.distributed.checkpoint's save and load of ``model.state_dict()``, then training on."""
     def run(rank, ws):
@@ -130,6 +181,30 @@ def dcp_round_trip(strategy: str):
         fresh.load_state_dict(state["model"])
         return _train(fresh, rank, ws), _train(_reference(), 0, 1)
     return run
+
+
+def dcp_load_whole_checkpoint(rank, ws):
+    """torch.distributed.checkpoint's load of a checkpoint of whole tensors (one process wrote it; torchtitan's
+    FSDP2 model state reads the same) into ``model.state_dict()`` and ``optimizer.state_dict()``: each rank
+    takes its elements, and training goes on as the writer's would."""
+    import tempfile
+    import torch.distributed.checkpoint as dcp
+    ref = _gpt()
+    ref_opt = _sgd(ref.parameters())  # (its momentum is the state; AdamW's first steps amplify rounding)
+    _train(ref, 0, 1, opt=ref_opt)
+    box = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if rank == 0:
+        dcp.save({"model": ref.state_dict(), "optim": ref_opt.state_dict()}, checkpoint_id=box[0], no_dist=True)
+    dist.barrier()
+    model = _sharded()
+    opt = _sgd(model.parameters())
+    _train(model, rank, ws, opt=opt, steps=1)  # a state of its own, which the load must replace
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=box[0])
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    return _train(model, rank, ws, opt=opt), _train(ref, 0, 1, opt=ref_opt)
 
 
 def accelerate_prepare_model(rank, ws):
@@ -314,17 +389,31 @@ class Row:
 DDP = "DistributedDataParallel around this"
 ONE_RANK_GATHER = "ranks [0] are at torch.save of a sharded model's state_dict() pieces"
 DEEPCOPY = "copy.deepcopy() of a sharded model"
-COMPOSABLE = "torch.distributed's fully_shard, replicate and the FSDP"
+COMPOSABLE = "which shardwise.shard() already shards: they would shard its parameters again"
 
 ROWS = [
     Row("DistributedDataParallel(model)", ddp, DDP),
     Row("DistributedDataParallel, pieces of equal sizes", ddp_equal_pieces, DDP),
     Row("fully_shard(model)", fully_shard, COMPOSABLE),
     Row("DCP get_model_state_dict(model)", dcp_get_model_state_dict, COMPOSABLE),
+    # (each refusal names shardwise's counterpart of the helper called)
+    Row("DCP get_state_dict(model, optimizer)", dcp_get_state_dict,
+        "get_optimizer_state_dict -> optimizer.state_dict()"),
+    Row("DCP get_optimizer_state_dict, flattened", dcp_get_optimizer_state_dict,
+        "get_optimizer_state_dict -> optimizer.state_dict()"),
+    Row("DCP set_model_state_dict", dcp_set_model_state_dict,
+        "set_model_state_dict -> model.state_dict() and model.load_state_dict()"),
+    Row("FSDP.summon_full_params(model)", fsdp1_summon_full_params,
+        "FSDP.summon_full_params -> shardwise.summon_full_params(model)"),
+    Row("FSDP.state_dict_type(model, FULL_STATE_DICT)", fsdp1_full_state_dict_type, "shardwise.full_state_dict(model)"),
+    Row("FSDP.optim_state_dict(model, optimizer)", fsdp1_optim_state_dict,
+        "FSDP.optim_state_dict / get_optimizer_state_dict ->"),
+    Row("FullyShardedDataParallel(model)", fsdp1_wrapper, COMPOSABLE),
     # DCP gathers every rank's planning error into its own CheckpointException, raised on every rank.
     Row("DCP save of model.state_dict()", dcp_round_trip("full_shard"), "torch.distributed.checkpoint of",
         wrapped_by="CheckpointException"),
     Row("DCP save and load of model.state_dict(), no_shard", dcp_round_trip("no_shard")),
+    Row("DCP load of a whole checkpoint into model and optimizer state_dict()", dcp_load_whole_checkpoint),
     Row("accelerate prepare(model, optimizer)", accelerate_prepare_model, DDP),
     Row("accelerate prepare(optimizer) + clip_grad_norm_", accelerate_prepare_optimizer),
     Row("state_dict per rank, load_state_dict", state_dict_per_rank),
@@ -357,7 +446,37 @@ def sharded_after_compile(rank, ws):
     return compiled_model, torch.compile(_reference())  # (the same "_orig_mod." names; never called)
 
 
+def _compile_blocks(model: GPT, fullgraph: bool = False) -> GPT:
+    """torchtitan's apply_compile: each block compiled on its own and registered in its place."""
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, fullgraph=fullgraph)
+    return model
+
+
+def blocks_compiled_then_sharded(rank, ws):
+    """torchtitan's order: compile each block, then shard (fully_shard there)."""
+    model = shardwise.shard(_compile_blocks(_gpt()), units={Block})
+    _train(model, rank, ws)
+    return model, _compile_blocks(_reference())
+
+
+def blocks_compiled_fullgraph(rank, ws):
+    """torchtitan compiles blocks with fullgraph=True: the unit entries cannot be traced, and the error says
+    so (dynamo's own error, with our reason; it named FSDP's use_orig_params before)."""
+    torch._dynamo.reset()  # the rows before compiled Block.forward without fullgraph: dynamo would reuse it
+    model = shardwise.shard(_compile_blocks(_gpt(), fullgraph=True), units={Block})
+    try:
+        _train(model, rank, ws, steps=1)
+    except Exception as e:  # noqa: BLE001 - dynamo's Unsupported, re-raised as the error the table reads
+        if "fullgraph=False" in str(e) and "shardwise.shard()" in str(e):
+            raise ShardwiseError(f"compiled with fullgraph=True: {type(e).__name__}") from e
+        raise
+
+
 SLOW_ROWS = [Row("torch.compile(model)", compiled), Row("shard(torch.compile(model))", sharded_after_compile),
+             Row("torch.compile(block) per block, then shard", blocks_compiled_then_sharded),
+             Row("torch.compile(block, fullgraph=True) per block", blocks_compiled_fullgraph,
+                 "compiled with fullgraph=True: Unsupported"),
              Row("Hugging Face Trainer(model)", hf_trainer, DDP)]
 
 

@@ -145,7 +145,8 @@ def adopt_in_live_optimizers(retired: list) -> None:
         # (type(), not isinstance: isinstance reads __class__, which some module proxies answer with a warning)
         if not issubclass(type(obj), torch.optim.Optimizer):
             continue
-        groups = [g["params"] for g in getattr(obj, "param_groups", ()) if isinstance(g.get("params"), list)]
+        groups = [g["params"] for g in getattr(obj, "param_groups", None) or ()
+                  if isinstance(g, dict) and isinstance(g.get("params"), list)]
         if not any(id(p) in ids for params in groups for p in params):
             continue
         state = getattr(obj, "state", None) or {}

@@ -57,11 +57,17 @@ class _RefuseComposable(dict):
         if key not in SHARDING_APIS:  # composable checkpoint() and others compose with a sharded model
             return super().__contains__(key)
         raise ShardwiseError(
-            f"torch.distributed's fully_shard, replicate and the FSDP / torch.distributed.checkpoint.state_dict "
-            f"helpers (asked for {key!r}) cannot be used on this {self.module_name}, which shardwise.shard() "
-            f"already shards: its parameters are this rank's 1-D "
-            f"pieces, not whole tensors. Use shardwise's own: the sharded model trains as it is; "
-            f"shardwise.full_state_dict / save_checkpoint / load_checkpoint for checkpoints")
+            f"torch.distributed's fully_shard and replicate, FSDP1 (FullyShardedDataParallel and its static "
+            f"helpers) and torch.distributed.checkpoint.state_dict's get_/set_ helpers (torch asked for {key!r}) "
+            f"cannot be used on this {self.module_name}, which shardwise.shard() already shards: they would "
+            f"shard its parameters again or read each rank's elements as whole tensors. shardwise's own: "
+            f"FSDP.summon_full_params -> shardwise.summon_full_params(model); FSDP.state_dict_type / "
+            f"get_model_state_dict / set_model_state_dict -> model.state_dict() and model.load_state_dict() as "
+            f"they are (torch.save on every rank writes whole tensors), or shardwise.full_state_dict(model) / "
+            f"shardwise.load_full_state_dict; FSDP.optim_state_dict / get_optimizer_state_dict -> "
+            f"optimizer.state_dict() and optimizer.load_state_dict() as they are (the whole state); "
+            f"torch.distributed.checkpoint saves -> shardwise.save_checkpoint / load_checkpoint; "
+            f"FSDP.clip_grad_norm_ -> shardwise.clip_grad_norm_(model, max_norm)")
 
     def __reduce__(self):
         return (_RefuseComposable, (self.module_name,))
