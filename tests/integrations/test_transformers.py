@@ -234,9 +234,12 @@ def _dpo(kind: str, root: str, model_dir: str, name: str) -> dict:
         pass
 
     data = Dataset.from_dict(_preferences())
+    # SGD with momentum: AdamW's first steps move embedding rows whose gradient is reduction-order noise by
+    # a fraction of lr (1e-4 apart at 3 ranks), which would hide what this compares
     args = DPOConfig(output_dir=os.path.join(root, name), max_steps=2, per_device_train_batch_size=2, report_to=[],
                      use_cpu=True, disable_tqdm=True, logging_steps=1, save_strategy="no", seed=0, bf16=False,
-                     dataloader_num_workers=0, max_length=24, learning_rate=1e-3)
+                     dataloader_num_workers=0, max_length=24, optim="sgd", optim_args="momentum=0.9",
+                     learning_rate=0.5)
     cls = DPOTrainer if kind == "ddp" else ShardwiseDPOTrainer
     trainer = cls(model=model_dir, args=args, train_dataset=data,
                   processing_class=AutoTokenizer.from_pretrained(model_dir))
