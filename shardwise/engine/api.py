@@ -51,8 +51,9 @@ def shard(
     """Shard ``model`` in place across the ranks of ``mesh`` (default: the whole world) and return it.
 
     Args:
-        units: what becomes a unit (one all-gather / reduce-scatter each): a set of module classes, a
-            callable ``(module) -> bool``, ``"auto"`` (Hugging Face ``_no_split_modules``, else the children
+        units: what becomes a unit (one all-gather / reduce-scatter each): a set of module classes, the
+            modules themselves (``list(model.layers)``, as FSDP2 users call ``fully_shard`` on each layer; a
+            module or classes and modules mixed), a callable ``(module) -> bool``, ``"auto"`` (Hugging Face ``_no_split_modules``, else the children
             of the largest ``nn.ModuleList``; a model with neither, a CNN or an MLP, becomes one unit, with a
             warning; and a Hugging Face model's input embedding, a unit of its own unless it is tied to the
             head), ``"auto+head"`` (the same, and the untied output head a unit too: for code whose loss calls
@@ -82,8 +83,9 @@ def shard(
             statistics, ...), as DDP does by default, so that ranks evaluate alike and checkpoints hold what
             every rank used. ``False`` keeps each rank's own buffers.
 
-    After this call ``model.parameters()`` are the 1-D local shards (names unchanged); build the optimizer
-    from them. During a unit's forward its parameters are full-shape views of a gathered buffer. The model
+    After this call ``model.parameters()`` are the model's parameters, each holding this rank's elements and
+    showing the whole parameter's shape to user code (README, "what a parameter is"; names unchanged); build
+    the optimizer from them (one built before takes them when this returns). During a unit's forward its parameters are full-shape views of a gathered buffer. The model
     answers DDP's idioms itself (ddp_idioms.py): ``model.no_sync()``, ``model.require_backward_grad_sync``;
     ``model.module`` is a named error (there is no wrapper: use the model).
     """
@@ -129,7 +131,7 @@ def shard(
     warn_if_backward_inputs_unseen()  # a torch that cannot show us backward(inputs=...) says so once
     groups = list(flat_groups.values())
     initial_weights.fill(model, groups, compute_device, sync_module_states, param_init_fn, runtime.checker)
-    _retire_originals(groups)
+    retired = _retire_originals(groups)
     runtime.units = [Unit(up, [flat_groups[id(gp)] for gp in up.groups], runtime) for up in plan.units]
     _install_hooks(model, runtime, activation_checkpointing)
     refuse_wrappers(model)  # DDP (Accelerate's prepare), fully_shard would redo the sharding on the pieces
@@ -139,6 +141,7 @@ def shard(
     runtime.before_forward.append(optimizer_swap.restore_all)  # a step that raised left its swap (optimizer_swap.py)
     whole_model_saves.install(model)  # model.save_pretrained(dir) writes the whole model, streamed
     ddp_idioms.install(model)  # model.no_sync(), model.require_backward_grad_sync, model.module
+    optimizer_guard.adopt_in_live_optimizers(retired)  # an optimizer built before shard() holds them now
     if broadcast_buffers and pgs.data_parallel_size > 1:
         sync = BufferBroadcast(model, runtime)
         if sync.buffers:
@@ -146,11 +149,12 @@ def shard(
     return model
 
 
-def _retire_originals(groups: list[FlatGroup]) -> None:
+def _retire_originals(groups: list[FlatGroup]) -> list[nn.Parameter]:
     """Retire the original parameter objects once the shards are filled: their memory is released, and an
     optimizer that still holds them (built before shard, as nanoGPT builds it before wrapping in DDP) takes
-    their shard parameters at its first step (optimizer_guard.py), or is refused by name if it already
-    holds state for them, instead of silently doing nothing."""
+    their shard parameters at the end of shard(), or at its first step where it holds state for them
+    (optimizer_guard.py), instead of silently doing nothing. Returns the retired parameters."""
+    retired = []
     for g in groups:
         for spec, shard_param in zip(g.plan.params, g.shard_params):
             old = spec.refs[0].module._parameters[spec.refs[0].name]
@@ -158,7 +162,9 @@ def _retire_originals(groups: list[FlatGroup]) -> None:
             old.data = torch.empty(0, dtype=old.dtype, device=old.device)
             old._shardwise_retired = spec.fqn
             old._shardwise_successor = weakref.ref(shard_param)
+            retired.append(old)
     optimizer_guard.install()  # retired parameters, optimizer classes, whose state (optimizer_guard.py)
+    return retired
 
 
 def _eager(hook: Callable) -> Callable:

@@ -93,13 +93,19 @@ class ActivationProfile:
         ``transient``: bytes briefly alive beside them in forward and backward (a 4-bit matrix dequantised
         for its matmul); ``recomputed``: per unit, bytes its recompute keeps for its backward instead (its
         dequantised 4-bit weights), beside its saved tensors."""
+        return max(self.phases(checkpointing, transient, recomputed))
+
+    def phases(self, checkpointing: bool, transient: int = 0, recomputed: Sequence[int] = ()) -> tuple[int, int]:
+        """``peak``'s two candidates apart: (the end of the forward, the largest unit's recompute; 0 without
+        checkpointing). They come at different times, beside different gathered units: the end of the forward
+        beside the last units of the forward (a head unit among them), a recompute beside two blocks."""
         working = 2 * self.largest_saved
         if not (checkpointing and self.unit_saved):
-            return self.saved_bytes + working + transient
+            return self.saved_bytes + working + transient, 0
         outside = self.saved_bytes - sum(self.unit_saved)
         inputs = sum(self.unit_input)
         recompute = max(saved + (recomputed[i] if recomputed else 0) for i, saved in enumerate(self.unit_saved))
-        return max(outside + inputs + working + transient, inputs + recompute)
+        return outside + inputs + working + transient, inputs + recompute
 
 
 def measure_activations(spec, model: nn.Module, unit_modules: list[nn.Module], batch_size: int, seq_len: int,

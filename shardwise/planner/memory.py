@@ -181,6 +181,7 @@ class _UnitBytes:
     """One unit's buffers as the engine sizes them."""
 
     is_root: bool
+    edge: bool  # an embedding or head unit ("auto" / "auto+head"): gathered in forward, never recomputed
     gathered: int  # its gathered buffers in compute dtype (0 for a group whose gathered buffer is the shard)
     grads: int  # its unsharded gradients as autograd produces them (compute dtype)
     grad_flat: int  # the flat buffer they are packed into for the reduction (reduce dtype)
@@ -197,7 +198,7 @@ def _unit_bytes(plan: ShardingPlan, policy: MixedPrecision, shard_size: int, off
             if g.requires_grad:
                 grads += g.padded_numel * compute.itemsize
                 flat += g.padded_numel * policy.grad_reduce_dtype(g.dtype).itemsize
-        out.append(_UnitBytes(u.is_root, gathered, grads, flat))
+        out.append(_UnitBytes(u.is_root, u.edge is not None, gathered, grads, flat))
     return out
 
 
@@ -209,6 +210,7 @@ class _Buffers:
     grad_shard: int
     optim_shard: int
     gathered: int
+    recompute_gathered: int  # gathered while a block recomputes (checkpointing): the root, two blocks
     kept: int  # gathered bytes kept through the optimizer step (ZeRO-1/2)
     last_blocks: int  # the two blocks gathered in the last blocks' backward (one in backward, one prefetched)
     block_reduce: int  # the widest block's unsharded gradients + its gradient flat (+ gloo scratch)
@@ -251,9 +253,12 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
     largest, prefetched = _gathered_together([u.gathered for u in per_unit if not u.is_root])
     if strategy.reshard_after_forward:
         gathered = root.gathered + largest + prefetched
+        # A block's recompute comes after the head's backward released the head: two blocks beside it.
+        recompute_gathered = root.gathered + sum(_gathered_together(
+            [u.gathered for u in per_unit if not u.is_root and not u.edge]))
     else:
-        gathered = sum(u.gathered for u in per_unit)  # kept gathered from forward to backward
-    widest = max((u for u in per_unit if not u.is_root), key=lambda u: u.grad_flat, default=_UnitBytes(False, 0, 0, 0))
+        gathered = recompute_gathered = sum(u.gathered for u in per_unit)  # kept from forward to backward
+    widest = max((u for u in per_unit if not u.is_root), key=lambda u: u.grad_flat, default=_UnitBytes(False, False, 0, 0, 0))
     # Gradient flats alive at once: the one being packed and those still in flight. With one rank per
     # shard group the flat *is* the gradient shard (the engine hands out views of it), counted with the shards.
     alive = ModelRuntime.MAX_GRAD_FLATS_ALIVE if shard_size > 1 else 0
@@ -280,7 +285,7 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
     # The end of backward gathers nothing (the root was gathered in forward): its collective is the
     # root's reduction or, for a root with nothing trainable (LoRA's frozen embeddings and head), the last
     # block's still in flight.
-    buffers = _Buffers(param_shard, grad_shard, optim_shard, gathered,
+    buffers = _Buffers(param_shard, grad_shard, optim_shard, gathered, recompute_gathered,
                        kept=gathered if strategy.keeps_params_gathered else 0,
                        last_blocks=largest + prefetched,
                        block_reduce=reduce_bytes(widest) - pending * widest.grad_flat
@@ -297,11 +302,11 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
         q = quantised_figures(model, plan, compute_itemsize, inputs.device)
         quantised_shard, dequantised, uncounted = q.shard_bytes, q.matrix_bytes, q.uncounted
         recomputed = max(q.recomputed_bytes, default=0) if inputs.activation_checkpointing else 0
-        activations = prof.peak(inputs.activation_checkpointing, transient=dequantised,
-                                recomputed=q.recomputed_bytes)
+        phases = prof.phases(inputs.activation_checkpointing, transient=dequantised, recomputed=q.recomputed_bytes)
     else:
-        activations = prof.peak(inputs.activation_checkpointing)
-    backward_peak, step_peak = _peaks(inputs, buffers, activations, prof)
+        phases = prof.phases(inputs.activation_checkpointing)
+    activations = max(phases)
+    backward_peak, step_peak = _peaks(inputs, buffers, phases, prof)
     total = max(backward_peak, step_peak)
     offloaded = param_shard + grad_shard + optim_shard if inputs.cpu_offload else 0
     params = list(plan.params())
@@ -337,7 +342,7 @@ def _activations(inputs: PlanInputs, cache: dict, spec, model, plan: ShardingPla
     return cache[key]
 
 
-def _peaks(inputs: PlanInputs, b: _Buffers, activations: int, prof: ActivationProfile) -> tuple[int, int]:
+def _peaks(inputs: PlanInputs, b: _Buffers, activations: tuple[int, int], prof: ActivationProfile) -> tuple[int, int]:
     """(peak in backward, peak at the optimizer step) per device.
 
     [Note: three peaks] (1) Early in backward: every activation is still saved, the optimizer state
@@ -349,13 +354,16 @@ def _peaks(inputs: PlanInputs, b: _Buffers, activations: int, prof: ActivationPr
     reduction, which comes last; the root itself is no longer gathered by then (released once its head's
     backward is done: [Note: releasing a unit in backward] in engine/core/unit.py), unless the strategy
     keeps every unit gathered. (3) The optimizer step: shards, gradients, AdamW state and the step's
-    temporaries."""
+    temporaries. Early in backward has two moments with checkpointing (``ActivationProfile.phases``): the end of
+    the forward, every unit's input saved, beside the units the forward ended with (the head's backward is
+    next), and the largest block's recompute, beside two blocks (the head released by then)."""
     offload = inputs.cpu_offload
     device_shards = 0 if offload else b.param_shard + b.optim_shard
     device_grads = 0 if offload else b.grad_shard
     unit_saved = max(prof.unit_saved, default=0) if not inputs.activation_checkpointing else 0
-    early = (device_shards + b.gathered + activations + max(0, b.block_reduce - unit_saved)
-             + max(0, b.pending_flats - b.pending_count * unit_saved))
+    forward_end, recompute = activations
+    early = (device_shards + max(b.gathered + forward_end, b.recompute_gathered + recompute)
+             + max(0, b.block_reduce - unit_saved) + max(0, b.pending_flats - b.pending_count * unit_saved))
     last_blocks = (b.kept or b.last_blocks) + b.block_reduce + b.pending_flats
     end = device_shards + device_grads + max(last_blocks, b.kept + b.root_reduce)
     # AdamW's temporaries: on CUDA the foreach path allocates a denominator for the whole parameter group;

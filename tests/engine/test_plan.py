@@ -161,7 +161,25 @@ def test_units_auto_without_repeated_blocks_makes_the_whole_model_one_unit():
     assert [u.label for u in plan.units] == ["<root>"] and len(list(plan.params())) == 4
 
 
-@pytest.mark.parametrize("units,fragment", [("blocks", "'blocks'"), ({int}, "not nn.Module"),
+def test_units_may_be_the_modules_themselves_as_fsdp2_shards_each_layer():
+    """units=[the blocks themselves] plans as units={Block}; a module, or classes and modules mixed, too; the
+    model itself among them changes nothing (the root is always a unit)."""
+    model = meta(lambda: GPT(tiny_gpt_config()))
+    by_class = [n for n, _ in resolve_unit_modules(model, {Block})]
+    assert [n for n, _ in resolve_unit_modules(model, list(model.blocks) + [model])] == by_class
+    assert [n for n, _ in resolve_unit_modules(model, model.blocks[1])] == ["blocks.1"]
+    mixed = [n for n, _ in resolve_unit_modules(model, [MLP, model.blocks[0]])]
+    assert mixed == ["blocks.0", "blocks.0.mlp", "blocks.1.mlp", "blocks.2.mlp"]
+    assert build_plan(model, list(model.blocks), 2).units[0].label == build_plan(model, {Block}, 2).units[0].label
+
+
+def test_a_module_outside_the_model_is_refused_by_name():
+    model = meta(lambda: GPT(tiny_gpt_config()))
+    with pytest.raises(ShardwiseError, match="not part of this GPT .first a Linear"):
+        build_plan(model, [model.blocks[0], nn.Linear(2, 2)], 2)
+
+
+@pytest.mark.parametrize("units,fragment", [("blocks", "'blocks'"), ({int}, "neither nn.Module classes"),
                                             ({Block, nn.GRU}, "GRU")])
 def test_bad_units_argument_is_rejected_with_the_culprit_named(units, fragment):
     """An unknown units string, a non-module class, or a class absent from the model raises ShardwiseError naming it."""

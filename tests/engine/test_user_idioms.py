@@ -384,6 +384,24 @@ def optimizer_built_before_wrapping(model, side):
     return train_loop(side.wrap(model, units={Block}), side, opt, clip=True)
 
 
+def clipping_the_optimizer_groups(model, side):
+    """An optimizer built before the wrapper, whose own parameter lists are read from the first step on:
+    their element count logged, their gradients clipped (mmengine's ``OptimWrapper`` and fairseq clip what
+    the optimizer holds). Before the first ``step()`` these are the model's parameters, as under DDP."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model = side.wrap(model, units={Block})
+    held = lambda: [p for g in opt.param_groups for p in g["params"]]  # noqa: E731
+    counts, norms, losses = [sum(p.numel() for p in held())], [], []
+    for x, y in side.batches():
+        _, loss = model(x, y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(held(), 0.5)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(mean_over_ranks(loss))
+    return dict(losses=losses, counts=counts, norms=norms, weights=side.whole(model))
+
+
 def nanogpt_groups(params) -> list[dict]:
     """nanoGPT's ``configure_optimizers``: weight decay for the matrices (``p.dim() >= 2``) only."""
     params = [p for p in params if p.requires_grad]
@@ -636,6 +654,7 @@ ROWS: dict[str, Row] = {
     "parameter count and shapes": Row(gpt, counts_and_shapes),
     "decay groups by p.dim() >= 2 (nanoGPT)": Row(gpt, decay_groups(lambda n, p: p.dim() >= 2)),
     "optimizer built before wrapping (nanoGPT's order)": Row(gpt, optimizer_built_before_wrapping),
+    "optimizer built before wrapping, its own parameters clipped": Row(gpt, clipping_the_optimizer_groups),
     "optimizer state loaded before wrapping (nanoGPT's resume)": Row(gpt, optimizer_state_loaded_before_wrapping),
     "no decay for p.ndim <= 1 or biases (timm)": Row(gpt, decay_groups(lambda n, p: not (p.ndim <= 1 or n.endswith(".bias")))),
     # saves, loaded back in one process

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from shardwise.errors import ShardwiseError
 
-UnitsSpec = Union[str, Callable[[nn.Module], bool], Iterable[type]]
+UnitsSpec = Union[str, Callable[[nn.Module], bool], nn.Module, Iterable[Union[type, nn.Module]]]
 
 EMBEDDING, HEAD = "embedding", "head"  # UnitPlan.edge
 AUTO, AUTO_WITH_HEAD = "auto", "auto+head"  # the units= strings (edge_unit_modules says what each adds)
@@ -166,13 +166,18 @@ def _unit_modules(model: nn.Module, units: Optional[UnitsSpec]) -> list[tuple[st
         blocks = _auto_unit_predicate(model)
         edges = edge_unit_modules(model, blocks, with_head=units == AUTO_WITH_HEAD)
         predicate = lambda m: blocks(m) or id(m) in edges  # noqa: E731
+    elif isinstance(units, nn.Module):  # (before callable: a module is one)
+        predicate = _instance_predicate(model, [units])
     elif callable(units) and not isinstance(units, type):
         predicate = units
     else:
-        classes = set(units) if not isinstance(units, type) else {units}
+        given = list(units) if not isinstance(units, type) else [units]
+        instances = [u for u in given if isinstance(u, nn.Module)]
+        classes = {c for c in given if not isinstance(c, nn.Module)}
         bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
         if bad:
-            raise ShardwiseError(f"units contains {bad!r}, which are not nn.Module classes")
+            raise ShardwiseError(f"units contains {bad!r}, which are neither nn.Module classes nor modules of the "
+                                 f"model")
         present = {type(m) for m in model.modules()}
         missing = sorted(c.__name__ for c in classes if c not in present)
         if missing:
@@ -180,10 +185,24 @@ def _unit_modules(model: nn.Module, units: Optional[UnitsSpec]) -> list[tuple[st
                 f"unit class(es) {', '.join(missing)} do not occur in {type(model).__name__}; "
                 f"module classes present: {', '.join(sorted({c.__name__ for c in present}))}"
             )
-        predicate = lambda m: type(m) in classes  # noqa: E731
+        is_instance = _instance_predicate(model, instances)
+        predicate = lambda m: type(m) in classes or is_instance(m)  # noqa: E731
     # (units="auto" on a model without repeated blocks, a CNN or an MLP, finds none: one unit, as units=None;
     # shard() says so.)
     return [(n, m, edges.get(id(m))) for n, m in model.named_modules() if m is not model and predicate(m)]
+
+
+def _instance_predicate(model: nn.Module, instances: list) -> Callable[[nn.Module], bool]:
+    """Modules given themselves (FSDP2's habit: ``fully_shard(layer)`` for each ``layer in model.layers``):
+    each must be a submodule of ``model``; ``model`` itself is allowed and means nothing more (the root is
+    always a unit)."""
+    inside = {id(m) for m in model.modules()}
+    outside = [type(m).__name__ for m in instances if id(m) not in inside]
+    if outside:
+        raise ShardwiseError(f"units contains {len(outside)} module(s) that are not part of this "
+                             f"{type(model).__name__} (first a {outside[0]}); give its own submodules, or classes")
+    ids = {id(m) for m in instances}
+    return lambda m: id(m) in ids
 
 
 def no_split_classes(model: nn.Module) -> set[type]:

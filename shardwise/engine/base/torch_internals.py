@@ -71,3 +71,19 @@ def _unshared_counts():
             _UNSHARED.append((_storage_count(probe), probe.narrow(0, 0, 1)._use_count()))
             del alias
     return _UNSHARED[0]
+
+
+def optimizer_ever_built() -> bool:
+    """Whether any ``torch.optim.Optimizer`` has been constructed in this process: ``Optimizer.__init__``
+    wraps its class's ``step`` once, marking it ``hooked`` (``Optimizer._patch_step_function``; checked on
+    torch 2.11 and 2.13). Where the mark is absent from every class, True: the caller then looks anyway."""
+    seen, stack = set(), [torch.optim.Optimizer]
+    while stack:
+        cls = stack.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        if getattr(cls.__dict__.get("step"), "hooked", False):
+            return True
+        stack.extend(cls.__subclasses__())
+    return not hasattr(torch.optim.Optimizer, "_patch_step_function")

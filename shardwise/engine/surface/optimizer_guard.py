@@ -34,6 +34,7 @@ changes, or its state is replaced by ``load_state_dict``), so a step costs a dic
 
 from __future__ import annotations
 
+import gc
 import inspect
 import weakref
 import zlib
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.engine.base import collectives
+from shardwise.engine.base.torch_internals import optimizer_ever_built
 from shardwise.engine.core.flat_group import mark_kept_copies_stale
 from shardwise.engine.core.unit import refill_units_stepped
 from shardwise.engine.surface import optimizer_swap
@@ -125,6 +127,35 @@ class _Guard:
 
 def _params(optimizer) -> list:
     return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def adopt_in_live_optimizers(retired: list) -> None:
+    """At the end of ``shard()``: every optimizer alive in this process that holds parameters ``retired`` by
+    this call, and no state for them, takes their shard parameters now rather than at its first step, so code
+    between ``shard()`` and that step reads the model's parameters from ``optimizer.param_groups`` as under DDP
+    (clipping over the groups' params before the first step would otherwise see ``None`` gradients and clip
+    nothing: another model). An optimizer holding state for them is left to its first step, whose adoption
+    agrees the state across ranks (a collective, and the optimizers found here may differ by rank: uncollected
+    garbage). Other optimizers, and parameters retired by an earlier ``shard()``, are not touched. Found by a
+    walk of the garbage collector's objects: an optimizer is not reachable from the model."""
+    ids = {id(p) for p in retired}
+    if not ids or not optimizer_ever_built():  # the walk costs ~0.2 s at half a million objects
+        return
+    for obj in gc.get_objects():
+        # (type(), not isinstance: isinstance reads __class__, which some module proxies answer with a warning)
+        if not issubclass(type(obj), torch.optim.Optimizer):
+            continue
+        groups = [g["params"] for g in getattr(obj, "param_groups", None) or ()
+                  if isinstance(g, dict) and isinstance(g.get("params"), list)]
+        if not any(id(p) in ids for params in groups for p in params):
+            continue
+        state = getattr(obj, "state", None) or {}
+        if any(id(p) in ids and state.get(p) for p in state):
+            continue
+        for params in groups:
+            for i, p in enumerate(params):
+                if id(p) in ids:
+                    params[i] = p._shardwise_successor()
 
 
 def adopt_successors(optimizer) -> None:
