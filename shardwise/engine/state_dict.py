@@ -39,14 +39,12 @@ def _entries(rt, model: nn.Module) -> dict[str, object]:
             if isinstance(v, torch.Tensor)}
 
 
-def full_state_dict(model: nn.Module, *, trainable_only: bool = False,
-                    keys: Optional[Collection[str]] = None) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, *, keys: Optional[Collection[str]] = None) -> dict[str, torch.Tensor]:
     """Rank 0 gets ``{name: full CPU tensor}`` (keys and order of the unsharded ``state_dict()``); others ``{}``.
 
     Tied parameters appear under each of their names as the same tensor, as in ``nn.Module.state_dict``.
-    ``trainable_only``: only parameters with ``requires_grad`` (LoRA adapters), no buffers; the frozen
-    groups are not even gathered. ``keys``: only these names (the same on every rank); only the flat groups
-    holding one of them are gathered. Every rank must call it: it communicates.
+    ``keys``: only these names (the same on every rank: what peft saves of an adapter, say); only the flat
+    groups holding one of them are gathered. Every rank must call it: it communicates.
     """
     from shardwise.engine.core.runtime import runtime_of
 
@@ -58,10 +56,9 @@ def full_state_dict(model: nn.Module, *, trainable_only: bool = False,
         keys = set(keys)
         entries = {k: e for k, e in entries.items() if k in keys}
     wanted = {id(e[0]) for e in entries.values() if isinstance(e, tuple)}
-    groups = [g for g in rt.flat_groups()
-              if (g.plan.requires_grad or not trainable_only) and (keys is None or id(g) in wanted)]
+    groups = [g for g in rt.flat_groups() if keys is None or id(g) in wanted]
     if rt.checker is not None:
-        rt.checker.check_now("state_dict", len(groups))  # the count tells a trainable_only call from a full one
+        rt.checker.check_now("state_dict", len(groups))  # the count tells a call for some keys from a full one
     full_of: dict[tuple[int, int], torch.Tensor] = {}
     for g in groups:
         full = g.shard if g.pgs.shard is None else g.gather_full()
@@ -74,8 +71,6 @@ def full_state_dict(model: nn.Module, *, trainable_only: bool = False,
         return {}
     out = {}
     for k, e in entries.items():
-        if trainable_only and not (isinstance(e, tuple) and (id(e[0]), e[1]) in full_of):
-            continue
         out[k] = full_of[id(e[0]), e[1]] if isinstance(e, tuple) else e.detach().to("cpu", copy=True)
     return out
 
