@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise.engine.base import device as devices
-from shardwise.engine import ddp_idioms, initial_weights
+from shardwise.engine import ddp_idioms, initial_weights, registration_guard
 from shardwise.engine.ddp_idioms import no_sync  # noqa: F401 (public: shardwise.no_sync)
 from shardwise.engine.surface import optimizer_guard, optimizer_swap, state_dict_pieces, whole_model_saves
 from shardwise.engine.surface.grad_sink import PieceGradSink
@@ -139,6 +139,7 @@ def shard(
     _install_hooks(model, runtime, activation_checkpointing)
     refuse_wrappers(model)  # DDP (Accelerate's prepare), fully_shard would redo the sharding on the pieces
     refuse_rebuilding_methods(model)  # resize_token_embeddings after shard()
+    registration_guard.install()  # a module with new parameters attached after shard() (get_peft_model)
     state_dict_pieces.install(model, runtime)  # model.load_state_dict() marks the shards written
     runtime.before_forward.append(optimizer_swap.restore_all)  # a step that raised left its swap (optimizer_swap.py)
     whole_model_saves.install(model)  # model.save_pretrained(dir) writes the whole model, streamed

@@ -7,7 +7,7 @@ peft adds its own) are honoured without knowing about them."""
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Collection, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,21 +39,26 @@ def _entries(rt, model: nn.Module) -> dict[str, object]:
             if isinstance(v, torch.Tensor)}
 
 
-def full_state_dict(model: nn.Module, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, *, keys: Optional[Collection[str]] = None) -> dict[str, torch.Tensor]:
     """Rank 0 gets ``{name: full CPU tensor}`` (keys and order of the unsharded ``state_dict()``); others ``{}``.
 
     Tied parameters appear under each of their names as the same tensor, as in ``nn.Module.state_dict``.
-    ``trainable_only``: only parameters with ``requires_grad`` (LoRA adapters), no buffers; the frozen
-    groups are not even gathered. Every rank must call it: it communicates.
+    ``keys``: only these names (the same on every rank: what peft saves of an adapter, say); only the flat
+    groups holding one of them are gathered. Every rank must call it: it communicates.
     """
     from shardwise.engine.core.runtime import runtime_of
 
     rt = runtime_of(model)
     rt.settle()
     is_rank0 = dist.get_rank() == 0
-    groups = [g for g in rt.flat_groups() if g.plan.requires_grad or not trainable_only]
+    entries = _entries(rt, model)
+    if keys is not None:
+        keys = set(keys)
+        entries = {k: e for k, e in entries.items() if k in keys}
+    wanted = {id(e[0]) for e in entries.values() if isinstance(e, tuple)}
+    groups = [g for g in rt.flat_groups() if keys is None or id(g) in wanted]
     if rt.checker is not None:
-        rt.checker.check_now("state_dict", len(groups))  # the count tells a trainable_only call from a full one
+        rt.checker.check_now("state_dict", len(groups))  # the count tells a call for some keys from a full one
     full_of: dict[tuple[int, int], torch.Tensor] = {}
     for g in groups:
         full = g.shard if g.pgs.shard is None else g.gather_full()
@@ -65,9 +70,7 @@ def full_state_dict(model: nn.Module, *, trainable_only: bool = False) -> dict[s
     if not is_rank0:
         return {}
     out = {}
-    for k, e in _entries(rt, model).items():
-        if trainable_only and not (isinstance(e, tuple) and (id(e[0]), e[1]) in full_of):
-            continue
+    for k, e in entries.items():
         out[k] = full_of[id(e[0]), e[1]] if isinstance(e, tuple) else e.detach().to("cpu", copy=True)
     return out
 

@@ -21,6 +21,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -222,19 +223,31 @@ def lora_param_init_fn(model: nn.Module, base_init: Callable[[nn.Module], None] 
 # ---- writing adapters out ------------------------------------------------------------------------------
 
 
-def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Rank 0: the adapters of a sharded peft model under the key names peft saves
-    (``base_model.model....q_proj.lora_A.weight``); ``{}`` elsewhere. Only adapter groups are gathered.
-    Collective."""
+def adapter_state_dict(model: nn.Module, adapter_name: str = ADAPTER_NAME,
+                       save_embedding_layers: Union[bool, str] = "auto") -> dict[str, torch.Tensor]:
+    """Rank 0: what ``PeftModel.save_pretrained`` writes for ``adapter_name`` (``get_peft_model_state_dict``'s
+    names and values: the adapter's weights under peft's saved names, its ``modules_to_save`` and trainable
+    tokens, the embeddings peft chooses to save, a prompt-learning adapter's prompt), whole; ``{}`` elsewhere.
+    peft chooses the tensors by name, so every rank runs it over a skeleton of the state dict (empty tensors
+    under the model's names; a prompt-learning adapter runs its prompt encoder, as a forward every rank
+    makes), and only the flat groups holding the chosen names are gathered. Collective."""
     from peft import get_peft_model_state_dict
 
+    from shardwise.engine.core.runtime import runtime_of
     from shardwise.engine.state_dict import full_state_dict
 
     _check_peft(model)
-    trainable = full_state_dict(model, trainable_only=True)
-    if not trainable:
+    if adapter_name not in model.peft_config:
+        raise ShardwiseError(f"adapter {adapter_name!r}: the peft model has adapters {sorted(model.peft_config)}")
+    skeleton = {k: torch.empty(0) for k in runtime_of(model).state_dict_keys}
+    name_of = {id(v): k for k, v in skeleton.items()}
+    chosen = get_peft_model_state_dict(model, state_dict=skeleton, adapter_name=adapter_name,
+                                       save_embedding_layers=save_embedding_layers)
+    source = {k: name_of[id(v)] for k, v in chosen.items() if id(v) in name_of}
+    whole = full_state_dict(model, keys=set(source.values()))
+    if dist.get_rank() != 0:
         return {}
-    return {k: v.contiguous() for k, v in get_peft_model_state_dict(model, state_dict=trainable).items()}
+    return {k: (whole[source[k]] if k in source else v.detach().cpu()).contiguous() for k, v in chosen.items()}
 
 
 def save_adapter(model: nn.Module, out: str | os.PathLike, base: str | None = None) -> Path | None:

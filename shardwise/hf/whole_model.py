@@ -18,7 +18,7 @@ import torch.nn as nn
 from shardwise.checkpoint.whole_model import CALL, HF_MAX_SHARD_BYTES, rank0_writes, write_whole_model
 from shardwise.engine.surface import whole_model_saves
 from shardwise.errors import ShardwiseError
-from shardwise.hf.lora import ADAPTER_NAME, adapter_state_dict, is_peft_model, write_adapter_files
+from shardwise.hf.lora import ADAPTER_NAME, ADAPTER_WEIGHTS, adapter_state_dict, is_peft_model, write_adapter_files
 from shardwise.hf.quantization import has_quantised
 from shardwise.usage import SizeError, parse_size
 
@@ -27,7 +27,8 @@ PathLike = Union[str, os.PathLike]
 
 def save_whole_model(model: nn.Module, directory: PathLike, *, dtype: Optional[torch.dtype] = None,
                      max_shard_size: Union[int, str] = HF_MAX_SHARD_BYTES,
-                     processing_class: Any = None) -> Optional[list[Path]]:
+                     processing_class: Any = None, selected_adapters: Optional[list[str]] = None,
+                     save_embedding_layers: Union[bool, str] = "auto") -> Optional[list[Path]]:
     """Write sharded ``model`` whole into ``directory``, loadable in one process by ``from_pretrained``.
 
     The contract (what ``model.save_pretrained`` / ``torch.save`` of a sharded model build on):
@@ -44,10 +45,12 @@ def save_whole_model(model: nn.Module, directory: PathLike, *, dtype: Optional[t
       checkpoint format: transformers' ``save_original_format=False``). Floating-point tensors in ``dtype``,
       default the master dtype the shards hold (fp32 masters under mixed precision). ``processing_class``
       (a tokenizer or processor): its files too. A peft model: ``adapter_config.json`` and
-      ``adapter_model.safetensors``, as ``PeftModel.save_pretrained`` writes them (the frozen base is not
-      written; ``shardwise.hf.lora.save_merged`` writes base and adapters merged), and ``processing_class``'s
-      files beside them, as a Trainer's ``save_model`` writes them. Any other module: the
-      weights only.
+      ``adapter_model.safetensors`` of each adapter (``selected_adapters``, default all; ``"default"`` in
+      ``directory``, any other in ``directory/<name>``), holding what ``PeftModel.save_pretrained`` writes
+      (``get_peft_model_state_dict``: ``modules_to_save``, trainable tokens, embeddings as
+      ``save_embedding_layers`` says, a prompt-learning adapter's prompt; the frozen base is not written;
+      ``shardwise.hf.lora.save_merged`` writes base and adapters merged), and ``processing_class``'s files
+      beside them, as a Trainer's ``save_model`` writes them. Any other module: the weights only.
     - **Memory.** Rank 0 writes each tensor as its flat group arrives: no rank holds more than one flat group
       (one unit's parameters of one dtype) whole, plus the tensor being cast; a peft adapter is gathered
       whole on rank 0 (adapters are small).
@@ -63,7 +66,10 @@ def save_whole_model(model: nn.Module, directory: PathLike, *, dtype: Optional[t
     """
     max_shard_bytes = _shard_bytes(max_shard_size)
     if is_peft_model(model):
-        return _save_adapter(model, Path(directory), processing_class)
+        return _save_adapter(model, Path(directory), selected_adapters, save_embedding_layers, processing_class)
+    if selected_adapters is not None:
+        raise ShardwiseError(f"{CALL}: selected_adapters= names adapters of a peft model; "
+                             f"{type(model).__name__} is not one")
     if has_quantised(model):
         raise ShardwiseError(f"{CALL}: {type(model).__name__} holds a 4-bit base (QuantLinear), whose packed bytes "
                              f"are shardwise's layout, not a checkpoint format: save the LoRA adapters around it "
@@ -82,22 +88,35 @@ def _shard_bytes(max_shard_size: Union[int, str]) -> int:
     return max_shard_size
 
 
-def _save_adapter(model: nn.Module, out: Path, processing_class: Any) -> Optional[list[Path]]:
-    """The peft adapter, as ``PeftModel.save_pretrained`` writes it (its ``base_model_name_or_path`` kept),
-    and the tokenizer beside it, as a Trainer's ``save_model`` writes it."""
+def _save_adapter(model: nn.Module, out: Path, selected_adapters: Optional[list[str]],
+                  save_embedding_layers: Union[bool, str], processing_class: Any) -> Optional[list[Path]]:
+    """The peft adapters, as ``PeftModel.save_pretrained`` writes them: each selected adapter (default: all)
+    under ``out`` for ``"default"``, under ``out/<name>`` for any other name, its config's
+    ``base_model_name_or_path`` kept; and the tokenizer beside them, as a Trainer's ``save_model`` writes it."""
     from shardwise.engine.core.runtime import runtime_of
 
     rt = runtime_of(model)
     if rt.checker is not None:
         rt.checker.check_now(CALL, len(rt.units))  # named as the whole-model save it is, on every rank
-    tensors = adapter_state_dict(model)  # collective; whole on rank 0
-    config = model.peft_config[ADAPTER_NAME]
+    names = list(model.peft_config) if selected_adapters is None else list(selected_adapters)
+    unknown = [n for n in names if n not in model.peft_config]
+    if unknown:
+        raise ShardwiseError(f"{CALL}: selected_adapters {unknown} are not adapters of the peft model "
+                             f"(it has {sorted(model.peft_config)})")
+    # collective, one adapter at a time; whole on rank 0
+    adapters = {n: adapter_state_dict(model, n, save_embedding_layers) for n in names}
 
     def fill(tmp: Path) -> list[Path]:
-        write_adapter_files(tmp, tensors, config, config.base_model_name_or_path)
+        written = []
+        for name, tensors in adapters.items():
+            where = tmp if name == ADAPTER_NAME else tmp / name
+            where.mkdir(parents=True, exist_ok=True)
+            config = model.peft_config[name]
+            write_adapter_files(where, tensors, config, config.base_model_name_or_path)
+            written.append(out / where.relative_to(tmp) / ADAPTER_WEIGHTS)
         if processing_class is not None:
             processing_class.save_pretrained(str(tmp))
-        return [out / "adapter_model.safetensors"]
+        return written
 
     return rank0_writes(out, fill)
 

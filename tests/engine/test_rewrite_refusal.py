@@ -1,6 +1,8 @@
 """Modules and methods that rewrite parameters behind the engine's back are refused by name, on every rank
 (engine/rewrite_refusal.py): ``nn.Embedding(max_norm=...)`` at ``shard()``, ``resize_token_embeddings`` after
-it. One spawn at world size 2."""
+it; and a module with parameters no flat group holds attached after it (engine/registration_guard.py: a new
+head, peft's ``get_peft_model`` on a sharded model), while re-attaching or wrapping the model's own modules
+passes. One spawn at world size 2."""
 
 from __future__ import annotations
 
@@ -43,8 +45,21 @@ def _refusals(rank, ws):
                 untouched=isinstance(model.embed, nn.Embedding) and model.embed.num_embeddings == 13)
 
 
+def _attached(rank, ws):
+    model = Resizable()
+    model.head = nn.Linear(5, 13)
+    shardwise.shard(model, units=None)
+
+    def rewrap():
+        model.head = model.head
+        model.head = nn.Sequential(model.head)  # a wrapper of the module it replaces (a checkpoint wrapper)
+        model.act = nn.GELU()  # no parameters
+
+    return dict(new_head=error_of(lambda: setattr(model, "head", nn.Linear(5, 13))), rewrap=error_of(rewrap))
+
+
 def _worker(rank, ws):
-    return run_scenarios({"refusals": _refusals}, rank, ws)
+    return run_scenarios({"refusals": _refusals, "attached": _attached}, rank, ws)
 
 
 @spawn_once
@@ -64,3 +79,11 @@ def test_resize_token_embeddings_after_shard_is_refused_by_name():
         r = scenario(res, "refusals")
         assert r["resize"].startswith("ShardwiseError: Resizable.resize_token_embeddings() after shardwise.shard()")
         assert "before shard()" in r["resize"] and r["untouched"]
+
+
+def test_a_module_with_new_parameters_attached_after_shard_is_refused_by_name():
+    for res in report():
+        r = scenario(res, "attached")
+        assert r["new_head"].startswith("ShardwiseError: module Linear attached as 'head' to Resizable after "
+                                        "shardwise.shard() holds parameters no flat group holds (weight, bias)"), r
+        assert r["rewrap"] == "no error", r

@@ -641,6 +641,48 @@ def fsdp1_clip_method(model, side):
         losses.append(mean_over_ranks(loss))
     return dict(losses=losses, norms=norms, weights=side.whole(model))
 
+
+# ---- peft adapters after wrapping (moe29: model families and peft variants) -----------------------------------
+def _lora(targets=("c_attn",)):
+    from peft import LoraConfig
+
+    return LoraConfig(r=2, lora_alpha=4, target_modules=list(targets), lora_dropout=0.0, init_lora_weights=False)
+
+
+def peft_gpt2(rank: int) -> nn.Module:
+    from peft import get_peft_model
+
+    return get_peft_model(hf_gpt2(rank), _lora(), adapter_name="sft")
+
+
+def adapter_added_after_wrapping(how: str):
+    """Adapter parameters created inside the wrapped model, then trained: a second adapter (a DPO or multi-task
+    script's second stage: ``PeftModel.add_adapter`` + ``set_adapter``), or ``get_peft_model`` called on the
+    wrapped model. They belong to no flat group (DDP does not sync them either, but trains on)."""
+
+    def run(model, side):
+        from peft import get_peft_model
+
+        model = side.wrap(model, units=None)
+        inner = model.module if not side.sharded else model
+        torch.manual_seed(5)  # the same new adapter on every rank
+        if how == "add_adapter":
+            inner.add_adapter("dpo", _lora(("c_proj",)))
+            inner.set_adapter("dpo")
+        else:
+            model = get_peft_model(inner, _lora(("c_proj",)))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for x, y in side.batches():
+            loss = model(input_ids=x, labels=y).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(mean_over_ranks(loss))
+        return dict(losses=losses)
+
+    return run
+
 ROWS: dict[str, Row] = {
     # seeds (nanoGPT seeds 1337 + rank before building the model; ImageNet's script seeds only if asked)
     "seed 1337 + rank": Row(gpt_seeded_per_rank, gpt_loop),
@@ -707,6 +749,11 @@ ROWS: dict[str, Row] = {
     # users arriving from FSDP2 / FSDP1 (torchtitan / torchtune-style loops)
     "FSDP2 set_requires_gradient_sync accumulation": Row(gpt, fsdp2_accumulation),
     "FSDP1 model.clip_grad_norm_": Row(gpt, fsdp1_clip_method),
+    # peft adapters after wrapping (moe29: model families and peft variants)
+    "peft add_adapter after wrapping": Row(peft_gpt2, adapter_added_after_wrapping("add_adapter"),
+                                           refused="PeftModel.add_adapter() after shardwise.shard()"),
+    "get_peft_model after wrapping": Row(hf_gpt2, adapter_added_after_wrapping("get_peft_model"),
+                                         refused="after shardwise.shard() holds parameters no flat group holds"),
 }
 
 

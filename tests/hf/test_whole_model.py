@@ -215,6 +215,65 @@ def _save_pretrained(rank: int, root: str) -> dict:
             "adapter": sorted(os.listdir(adapter))}
 
 
+def _peft_configs() -> dict:
+    """What peft's save_pretrained writes beyond one LoRA adapter named "default": adapters under other
+    names (each in its own directory), one of them frozen; modules_to_save and trainable tokens; prompt
+    learning (the saved prompt is the prompt encoder's output, a forward every rank makes)."""
+    from peft import LoraConfig, PromptEncoderConfig, PromptTuningConfig
+
+    lora = lambda **kw: LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", **{"target_modules": ["q_proj"], **kw})
+    return {
+        "named_adapters": ([("sft", lora()), ("dpo", lora(target_modules=["v_proj", "o_proj"]))], {}),
+        "selected_adapter": ([("sft", lora()), ("dpo", lora(target_modules=["v_proj"]))],
+                             {"selected_adapters": ["dpo"]}),
+        "modules_to_save_and_tokens": ([("default", lora(modules_to_save=["lm_head"],
+                                                         trainable_token_indices={"embed_tokens": [3, 5]}))], {}),
+        "embeddings_targeted": ([("default", lora(target_modules=["embed_tokens", "q_proj"]))], {}),
+        "prompt_tuning": ([("default", PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))], {}),
+        "p_tuning": ([("default", PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=3,
+                                                      encoder_hidden_size=8))], {}),
+    }
+
+
+def _peft_saves(rank: int, root: str) -> dict:
+    """``save_pretrained`` of each peft model of _peft_configs on every rank: the files (paths, tensors,
+    configs) that the unsharded peft model's save_pretrained writes."""
+    from peft import get_peft_model
+
+    import shardwise
+
+    out = {}
+    for case, (adapters, kwargs) in _peft_configs().items():
+        def build():
+            torch.manual_seed(0)
+            model = get_peft_model(_model("llama"), adapters[0][1], adapter_name=adapters[0][0])
+            for name, config in adapters[1:]:
+                model.add_adapter(name, config)
+            return model
+
+        ref, model = build(), shardwise.shard(build(), units="auto")
+        with torch.no_grad():  # LoRA's B is zero at init: give every tensor a save could get wrong a value
+            for p in ref.parameters():
+                if not p.any():
+                    p.fill_(0.25)
+            shardwise.load_full_state_dict(model, ref.state_dict() if rank == 0 else {})
+        ours, theirs = os.path.join(root, f"{case}-ours"), os.path.join(root, f"{case}-theirs")
+        model.save_pretrained(ours, is_main_process=rank == 0, **kwargs)
+        if rank != 0:
+            continue
+        ref.save_pretrained(theirs, **kwargs)
+        walk = lambda d: sorted(os.path.relpath(os.path.join(w, f), d) for w, _, fs in os.walk(d) for f in fs
+                                if f != "README.md")  # peft's model card, not written here
+        cfg = lambda d: {k: v for k, v in json.loads(open(os.path.join(d, "adapter_config.json")).read()).items()
+                         if k != "inference_mode"}
+        dirs = sorted({os.path.dirname(f) for f in walk(theirs)})
+        out[case] = {"files": walk(ours) == walk(theirs), "listing": walk(ours),
+                     "tensors": all(_same_tensors(_tensors(os.path.join(ours, d)), _tensors(os.path.join(theirs, d)))
+                                    for d in dirs),
+                     "config": all(cfg(os.path.join(ours, d)) == cfg(os.path.join(theirs, d)) for d in dirs)}
+    return out
+
+
 def _scenarios(rank: int, world: int, root: str) -> dict:
     return run_scenarios({
         "llama": lambda r, w: _matches_save_pretrained(r, root, "llama"),
@@ -224,6 +283,7 @@ def _scenarios(rank: int, world: int, root: str) -> dict:
         "failed_write": lambda r, w: _failed_write(r, root),
         "adapter": lambda r, w: _adapter(r, root),
         "save_pretrained": lambda r, w: _save_pretrained(r, root),
+        "peft_saves": lambda r, w: _peft_saves(r, root),
     }, rank, world)
 
 
@@ -292,6 +352,16 @@ def test_save_pretrained_of_a_sharded_model_is_the_whole_model(world, root):
     for rank_report in reports:
         refused = scenario(rank_report, "save_pretrained")["refused"]
         assert refused and "save_pretrained(..., state_dict={})" in refused, refused
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", list(_peft_configs()))
+def test_save_pretrained_of_a_sharded_peft_model_writes_what_peft_writes(world, case, root):
+    """Adapters under any name (each but "default" in its own directory, a frozen one too, or the
+    selected_adapters only), modules_to_save, trainable tokens, targeted embeddings, and prompt learning's
+    prompt: the unsharded peft model's files, paths and bytes."""
+    r = scenario(_report(world, f"{root}/{world}")[0], "peft_saves")[case]
+    assert r["files"] and r["tensors"] and r["config"], r
 
 
 def _alone(rank: int, world: int, root: str, how: str) -> str | None:

@@ -36,7 +36,9 @@ def register_writer(writer: Callable) -> None:
 
 # save_pretrained's arguments (transformers' and peft's) the streamed writer cannot honour, with the value that
 # asks for nothing it would not do anyway.
-_REFUSED = {"push_to_hub": False, "safe_serialization": True, "variant": None, "selected_adapters": None}
+_REFUSED = {"push_to_hub": False, "safe_serialization": True, "variant": None}
+# peft's save_pretrained arguments that choose what is written: passed on to the writer when given
+_PASSED = ("max_shard_size", "selected_adapters", "save_embedding_layers")
 
 
 def install(model: nn.Module) -> None:
@@ -61,11 +63,11 @@ def install(model: nn.Module) -> None:
                     f"{type(model).__name__}.save_pretrained(..., {name}={_described(value)}) on a sharded model: it "
                     f"writes the whole model through shardwise.save_whole_model, one flat group at a time, which "
                     f"takes no {name}=; call model.save_pretrained(directory) on every rank")
-        options = {"max_shard_size": kwargs.pop("max_shard_size")} if "max_shard_size" in kwargs else {}
+        options = {name: kwargs.pop(name) for name in _PASSED if name in kwargs}
         if _writer is None:
             raise ShardwiseError("save_pretrained on a sharded model needs shardwise's whole-model writer: "
                                  "import shardwise (its package registers it)")
-        # (other keywords, such as token= or save_embedding_layers=, change nothing of what is written)
+        # (other keywords, such as token=, change nothing of what is written)
         return _writer(model, save_directory, **options)
 
     save_pretrained.__doc__ = __doc__
