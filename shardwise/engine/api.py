@@ -54,10 +54,10 @@ def shard(
     Args:
         units: what becomes a unit (one all-gather / reduce-scatter each): a set of module classes, the
             modules themselves (``list(model.layers)``, as FSDP2 users call ``fully_shard`` on each layer; a
-            module or classes and modules mixed), a callable ``(module) -> bool``, ``"auto"`` (Hugging Face ``_no_split_modules``, else the children
-            of the largest ``nn.ModuleList``; a model with neither, a CNN or an MLP, becomes one unit, with a
-            warning; and a Hugging Face model's input embedding, a unit of its own unless it is tied to the
-            head), ``"auto+head"`` (the same, and the untied output head a unit too: for code whose loss calls
+            module or classes and modules mixed), a callable ``(module) -> bool``, ``"auto"`` (Hugging Face
+            ``_no_split_modules``, else the children of the largest ``nn.ModuleList``; a model with neither, a
+            CNN or an MLP, becomes one unit, with a warning; and a Hugging Face model's input embedding, a unit
+            of its own unless it is tied to the head), ``"auto+head"`` (the same, and the untied output head a unit too: for code whose loss calls
             the head, not a fused loss reading its weight; ``plan.edge_unit_modules``), or ``None`` (one unit:
             the whole model). Parameters outside every unit form the root unit.
         strategy: full_shard (ZeRO-3), shard_grad_op (FSDP's ZeRO-2: parameters gathered once per step),

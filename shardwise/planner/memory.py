@@ -258,7 +258,8 @@ def plan_memory(inputs: PlanInputs, *, _cache: Optional[dict] = None) -> MemoryP
             [u.gathered for u in per_unit if not u.is_root and not u.edge]))
     else:
         gathered = recompute_gathered = sum(u.gathered for u in per_unit)  # kept from forward to backward
-    widest = max((u for u in per_unit if not u.is_root), key=lambda u: u.grad_flat, default=_UnitBytes(False, False, 0, 0, 0))
+    widest = max((u for u in per_unit if not u.is_root), key=lambda u: u.grad_flat,
+                 default=_UnitBytes(False, False, 0, 0, 0))
     # Gradient flats alive at once: the one being packed and those still in flight. With one rank per
     # shard group the flat *is* the gradient shard (the engine hands out views of it), counted with the shards.
     alive = ModelRuntime.MAX_GRAD_FLATS_ALIVE if shard_size > 1 else 0
