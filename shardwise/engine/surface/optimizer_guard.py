@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import gc
 import inspect
+import sys
 import weakref
 import zlib
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from shardwise.engine.base import collectives
 from shardwise.engine.base.torch_internals import optimizer_ever_built
@@ -139,7 +141,8 @@ def adopt_in_live_optimizers(retired: list) -> None:
     garbage). Other optimizers, and parameters retired by an earlier ``shard()``, are not touched. Found by a
     walk of the garbage collector's objects: an optimizer is not reachable from the model."""
     ids = {id(p) for p in retired}
-    if not ids or not optimizer_ever_built():  # the walk costs ~0.2 s at half a million objects
+    # The walk costs ~0.2 s at half a million objects: only where something can hold a retired parameter.
+    if not ids or not _held_elsewhere(retired) or not optimizer_ever_built():
         return
     for obj in gc.get_objects():
         # (type(), not isinstance: isinstance reads __class__, which some module proxies answer with a warning)
@@ -156,6 +159,19 @@ def adopt_in_live_optimizers(retired: list) -> None:
             for i, p in enumerate(params):
                 if id(p) in ids:
                     params[i] = p._shardwise_successor()
+
+
+def _held_elsewhere(retired: list) -> bool:
+    """Whether anything but ``retired`` references one of its parameters (an optimizer's group, a state dict,
+    a user's list): Python reference counts, against a parameter held only by a list, read the same way.
+    Exact where it matters: a list that holds a parameter adds one reference; other holders only cost a walk."""
+    probe = [nn.Parameter(torch.empty(0))]
+    alone = _references(probe, 0)
+    return any(_references(retired, i) > alone for i in range(len(retired)))
+
+
+def _references(items: list, i: int) -> int:
+    return sys.getrefcount(items[i])
 
 
 def adopt_successors(optimizer) -> None:
