@@ -11,6 +11,7 @@ scale-free, and unlike an element-wise max it is not dominated by entries that a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from typing import Callable, Iterable, Optional, Sequence
@@ -465,3 +466,14 @@ def assembled_checkpoint(ckpt) -> dict:
                     parts.append(f.get_tensor(key_of(piece)))
             out[f"{label}:{name}"] = torch.cat(parts)
     return out
+
+
+@contextlib.contextmanager
+def gradient_sync_off(model):
+    """FSDP2's own accumulation switch, ``model.set_requires_gradient_sync``, off for the block and on after it
+    (shardwise's sharded root answers it as FSDP2's ``FSDPModule`` does)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

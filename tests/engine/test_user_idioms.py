@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 import shardwise
 from harness import run_distributed
 from models import GPT, Block, tiny_gpt_config
-from parity_utils import local_slice, rel_err, scalar_rel_err
+from parity_utils import gradient_sync_off, local_slice, rel_err, scalar_rel_err
 
 VOCAB = tiny_gpt_config().vocab_size
 STEPS = 3
@@ -609,11 +609,8 @@ def fsdp2_switch(model, last: bool):
         with model.no_sync():
             yield
     else:
-        model.set_requires_gradient_sync(False)
-        try:
+        with gradient_sync_off(model):
             yield
-        finally:
-            model.set_requires_gradient_sync(True)
 
 
 def fsdp2_accumulation(model, side):

@@ -267,11 +267,8 @@ def grad_sync(ctx, model, sync: bool):
         with shardwise.no_sync(model):
             yield
     else:
-        model.set_requires_gradient_sync(False)
-        try:
+        with parity_utils.gradient_sync_off(model):
             yield
-        finally:
-            model.set_requires_gradient_sync(True)
 
 
 @contextlib.contextmanager
